@@ -1,0 +1,37 @@
+"""spmd_types: SPMD types for distributed PyTorch, checked before any GPU time is spent.
+
+Every tensor gets a type per mesh axis: R (replicate), I (invariant), V
+(varying), P (partial) or S(d) (shard). Ordinary ops are checked against a
+typing-rules table; type changes go through typed conversions and
+collectives whose backward is chosen by type.
+
+    import spmd_types as spmd
+"""
+
+from ._asserts import assert_type, attach_boundary, get_type, is_checking, typecheck, typed_boundary
+from ._errors import SpmdTypeError
+from ._mesh import set_current_mesh
+from ._rules_table import RuleKind
+from ._tensor import LTensor
+from ._types import (
+    I,
+    Invariant,
+    P,
+    Partial,
+    PartitionSpec,
+    R,
+    Replicate,
+    S,
+    Shard,
+    SpmdType,
+    V,
+    Varying,
+    backward_type,
+)
+
+__all__ = [
+    "R", "I", "V", "P", "S", "Replicate", "Invariant", "Varying", "Partial", "Shard",
+    "SpmdType", "backward_type", "PartitionSpec", "SpmdTypeError", "LTensor",
+    "set_current_mesh", "typecheck", "assert_type", "get_type", "typed_boundary",
+    "attach_boundary", "is_checking", "RuleKind",
+]

@@ -1,0 +1,371 @@
+"""LTensor: a torch.Tensor subclass that carries its SPMD types and asks the rules.
+
+The typed path of ``__torch_function__`` is kept short: build a cache key from
+the operands' interned type maps, look the result type up (inferring it on a
+miss), run the op with subclass dispatch disabled, and set the result's class
+and types in place. LTensor never knows about collectives.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._op_registry import ENTRIES, OpEntry, entry_for
+from ._rules import infer
+from ._rules_table import RuleKind
+from ._state import STATE
+from ._types import R, TypeMap
+
+__all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
+
+_DisableTF = torch._C.DisableTorchFunctionSubclass
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+
+_UNCHECKED = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA)
+_BACKWARD = torch.Tensor.backward
+_PLAIN = object()
+_ZERO = object()
+_CACHES: tuple[dict, dict] = ({}, {})  # non-strict, strict
+_MISSING = object()
+
+_DTYPE_SHORT = {
+    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
+    """``f32[4,16] {dp: V, tp: R}``."""
+    from ._mesh import current_mesh
+
+    dtype = _DTYPE_SHORT.get(t.dtype, str(t.dtype).replace("torch.", ""))
+    with _DisableTF():
+        shape = ",".join(str(s) for s in t.shape)
+    mesh = current_mesh()
+    order = mesh.axis_names if mesh is not None else ()
+    return f"{dtype}[{shape}] " + (types.format(order) if types is not None else "untyped")
+
+
+class LTensor(torch.Tensor):
+    """A tensor with a local SPMD type per mesh axis.
+
+    Made by :func:`spmd_types.assert_type` inside :func:`spmd_types.typecheck`;
+    ordinary torch ops on it return LTensors typed by the rules table.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            x = spmd.assert_type(torch.randn(4, 16), {"dp": spmd.V, "tp": spmd.R})
+            print(x)   # f32[4,16] {dp: V, tp: R}
+    """
+
+    _spmd_types: TypeMap
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if not STATE.checking or func in _UNCHECKED:
+            return _run(func, args, kwargs)
+        return _typed_call(func, args, kwargs)
+
+    __hash__ = torch.Tensor.__hash__
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return format_tensor_type(self, getattr(self, "_spmd_types", None))
+
+    def __deepcopy__(self, memo: dict) -> LTensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with _DisableTF():
+            data = self.detach().clone(memory_format=torch.preserve_format)
+            if self.requires_grad and self.is_leaf:
+                data.requires_grad_(True)
+        data.__class__ = _typed_class_for(data, type(self))
+        data.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        memo[id(self)] = data
+        return data
+
+
+def _typed_call(func, args, kwargs):
+    """Check ``func(*args, **kwargs)`` against the rules, run it, and type its result."""
+    key = [func]
+    for a in args:
+        key.append(_marker(a))
+    if kwargs:
+        for k, v in kwargs.items():
+            key.append(k)
+            key.append(_marker(v))
+    key = tuple(key)
+    cache = _CACHES[STATE.strict]
+    out_types = cache.get(key, _MISSING)
+    if out_types is _MISSING:
+        out_types = _infer_or_raise(func, args, kwargs)
+        cache[key] = out_types
+    out = _run(func, args, kwargs)
+    if out_types is None:
+        return out
+    return _wrap(out, out_types)
+
+
+# torch turns a TypeError raised inside a binary operator (``a + b``) into
+# NotImplemented, which would hide an SpmdTypeError behind Python's generic
+# "unsupported operand" message. LTensor's operators therefore check first,
+# in Python, and only then call torch's operator.
+_BINARY_DUNDERS = (
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
+    "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__matmul__", "__rmatmul__",
+    "__pow__", "__rpow__", "__ipow__", "__floordiv__", "__rfloordiv__", "__ifloordiv__", "__mod__",
+    "__rmod__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__rand__",
+    "__iand__", "__or__", "__ror__", "__ior__", "__xor__", "__rxor__", "__ixor__",
+)
+
+
+def _make_operator(name: str):
+    base = getattr(torch.Tensor, name)
+
+    def operator(self, other):
+        if not STATE.checking:
+            with _DisableTF():
+                return base(self, other)
+        return _typed_call(base, (self, other), {})
+
+    operator.__name__ = operator.__qualname__ = name
+    return operator
+
+
+for _name in _BINARY_DUNDERS:
+    setattr(LTensor, _name, _make_operator(_name))
+
+
+class TypedParameter(LTensor, torch.nn.Parameter):
+    """An ``nn.Parameter`` typed in place by ``assert_type``: still the module's parameter."""
+
+    def __reduce_ex__(self, proto: int):
+        with _DisableTF():
+            data = self.detach()
+        return (_rebuild_typed_parameter, (data, self.requires_grad, self._spmd_types))
+
+
+def _rebuild_typed_parameter(data: torch.Tensor, requires_grad: bool, types: TypeMap) -> TypedParameter:
+    p = torch.nn.Parameter(data, requires_grad)
+    type_in_place(p, types)
+    return p  # type: ignore[return-value]
+
+
+_LOCAL_CLASSES: dict[type, type] = {}
+
+
+def _local_tensor_class() -> type | None:
+    """``LocalLTensor(LTensor, LocalTensor)``, made on first use (only tests need it)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except ImportError:  # pragma: no cover - torch without the simulator
+        return None
+    if LocalTensor not in _LOCAL_CLASSES:
+        local_cls = type("LocalLTensor", (LTensor, LocalTensor), {"__module__": __name__})
+        _LOCAL_CLASSES[LocalTensor] = local_cls
+        _SWAP_BACK[local_cls] = LocalTensor
+    return _LOCAL_CLASSES[LocalTensor]
+
+
+_SWAP_BACK: dict[type, type] = {TypedParameter: torch.nn.Parameter}
+_TYPED_CLASSES = {LTensor, TypedParameter}
+
+
+def _typed_class_for(t: torch.Tensor, default: type = LTensor) -> type:
+    tp = type(t)
+    if tp is torch.Tensor:
+        return LTensor
+    if tp is torch.nn.Parameter:
+        return TypedParameter
+    if tp in _TYPED_CLASSES or tp in _SWAP_BACK:
+        return tp
+    local_cls = _local_tensor_class()
+    if local_cls is not None and tp in _LOCAL_CLASSES:
+        _TYPED_CLASSES.add(local_cls)
+        return local_cls
+    raise TypeError(
+        f"spmd_types cannot type a tensor of class {tp.__name__}; pass a plain torch.Tensor, "
+        "an nn.Parameter or a LocalTensor"
+    )
+
+
+def _marker(a: Any) -> Any:
+    tp = type(a)
+    if tp in _TYPED_CLASSES:
+        return a._spmd_types
+    if tp is int or tp is float:
+        return _ZERO if a == 0 else None
+    if isinstance(a, torch.Tensor):
+        return getattr(a, "_spmd_types", _PLAIN)
+    if tp is list or tp is tuple:
+        return tuple(_marker(x) for x in a)
+    return None
+
+
+def _run(func, args, kwargs):
+    """Run ``func`` with subclass dispatch off (and typed wrappers of other subclasses unwrapped)."""
+    if _dispatch_depth():
+        return _run_swapped(func, args, kwargs)
+    with _DisableTF():
+        return func(*args, **kwargs)
+
+
+def _run_swapped(func, args, kwargs):
+    swapped: list[tuple[torch.Tensor, type]] = []
+
+    def visit(x: Any) -> None:
+        tp = type(x)
+        base = _SWAP_BACK.get(tp)
+        if base is not None:
+            x.__class__ = base
+            swapped.append((x, tp))
+        elif tp is list or tp is tuple:
+            for y in x:
+                visit(y)
+
+    for a in args:
+        visit(a)
+    for v in kwargs.values():
+        visit(v)
+    try:
+        with _DisableTF():
+            return func(*args, **kwargs)
+    finally:
+        for x, tp in swapped:
+            x.__class__ = tp
+
+
+def _wrap(out: Any, types: TypeMap) -> Any:
+    tp = type(out)
+    if tp is torch.Tensor:
+        out.__class__ = LTensor
+        out._spmd_types = types
+        return out
+    if tp is list or tp is tuple:
+        return tp(_wrap(o, types) for o in out)
+    if isinstance(out, torch.Tensor):
+        if tp in _TYPED_CLASSES:
+            return out
+        out.__class__ = _typed_class_for(out)
+        out._spmd_types = types
+        return out
+    if isinstance(out, tuple):  # torch.return_types structseqs
+        return tp([_wrap(o, types) for o in out])
+    if tp.__name__ in ("list_iterator", "tuple_iterator"):
+        return iter([_wrap(o, types) for o in out])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the slow path: inference on a cache miss
+
+
+def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
+    if func is _BACKWARD:
+        _check_backward_root(args)
+        return None
+    entry = entry_for(func)
+    result = infer(entry, args, kwargs, STATE.strict)
+    if isinstance(result, Rejection):
+        raise SpmdTypeError(result, user_source_line())
+    dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
+    if dest is not None and result is not None:
+        _check_destination(entry, dest, result)
+    return result
+
+
+def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
+    if not isinstance(dest, torch.Tensor):
+        return  # a list destination (foreach kernels) or a scalar
+    dest_types = getattr(dest, "_spmd_types", None)
+    what = "its out= tensor" if entry.row.kind is not None and not entry.inplace else "its first operand"
+    if dest_types is None:
+        raise SpmdTypeError(
+            Rejection(
+                f"{entry.display} writes a typed result into a plain (untyped) tensor, which would "
+                "lose the type.",
+                [("op", entry.display), ("destination", f"{what}: plain tensor"), ("result", result.format())],
+                [f"spmd.assert_type(destination, {_dict_code(result)})"],
+            ),
+            user_source_line(),
+        )
+    for axis, t in result.items:
+        have = dest_types.get(axis)
+        if have is None or have is t or (have.is_varying and t.is_varying):
+            continue
+        raise SpmdTypeError(
+            Rejection(
+                f"An in-place op cannot change its tensor's type: {entry.display} would change "
+                f"{what} from {have} to {t} on axis '{axis}'.",
+                [("op", entry.display), ("destination", dest_types.format()), ("result", result.format()),
+                 ("axis", f"'{axis}': {have} -> {t}")],
+                ["the out-of-place form, assigning the result (e.g. `x = x + y` for `x += y`)"],
+            ),
+            user_source_line(),
+        )
+
+
+def _dict_code(types: TypeMap) -> str:
+    return "{" + ", ".join(f"'{a}': {t.code()}" for a, t in types.items) + "}"
+
+
+def _check_backward_root(args) -> None:
+    root = args[0]
+    types = getattr(root, "_spmd_types", None)
+    gradient = args[1] if len(args) > 1 else None
+    if types is None or gradient is not None:
+        return
+    for axis, t in types.items:
+        if t is R:
+            raise SpmdTypeError(
+                Rejection(
+                    "backward() from a Replicate (R) value seeds a gradient of 1 on every rank; "
+                    "the gradient of R is a pending sum (P), so that seed means the mesh size, "
+                    "not 1, and every gradient would be scaled by it.",
+                    [("op", "Tensor.backward"), ("root", types.format()), ("axis", f"'{axis}': root is R")],
+                    [f"spmd.convert(loss, '{axis}', src=spmd.R, dst=spmd.I)",
+                     f"spmd.all_reduce(..., '{axis}', src=spmd.P, dst=spmd.I) where the loss is reduced"],
+                ),
+                user_source_line(),
+            )
+
+
+# ---------------------------------------------------------------------------
+# giving a tensor its type
+
+
+def make_typed(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
+    """An LTensor view of plain ``t`` with ``types`` (``t`` itself is left alone)."""
+    with _DisableTF():
+        out = t.view_as(t)
+    out.__class__ = _typed_class_for(out)
+    out._spmd_types = types
+    return out
+
+
+def type_in_place(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
+    """Give leaf ``t`` (an nn.Parameter or a leaf that requires grad) its types, same object."""
+    if type(t) not in _TYPED_CLASSES:
+        t.__class__ = _typed_class_for(t)
+    t._spmd_types = types
+    if t.requires_grad and t.is_leaf and not getattr(t, "_spmd_grad_hooked", False):
+        t.register_post_accumulate_grad_hook(_type_grad)
+        t.__dict__["_spmd_grad_hooked"] = True
+    return t
+
+
+def _type_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    types = getattr(param, "_spmd_types", None)
+    if grad is None or types is None or getattr(grad, "_spmd_types", None) is types.backward():
+        return
+    if type(grad) not in _TYPED_CLASSES:
+        grad.__class__ = _typed_class_for(grad)
+    grad._spmd_types = types.backward()

@@ -1,0 +1,245 @@
+"""The type values: R, I, V, P and S(d), per-tensor type maps, cotangent duality.
+
+Type values are small, immutable and canonical: ``S(0) is S(0)``. A tensor's
+type is a :class:`TypeMap`, an interned mapping ``{axis_name: type}``; interning
+makes it hashable by identity, which the per-op inference cache relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+__all__ = [
+    "SpmdType",
+    "R",
+    "I",
+    "V",
+    "P",
+    "S",
+    "Replicate",
+    "Invariant",
+    "Varying",
+    "Partial",
+    "Shard",
+    "backward_type",
+    "PartitionSpec",
+    "TypeMap",
+]
+
+
+class SpmdType:
+    """One local SPMD type on one mesh axis: R, I, V, P or S(d).
+
+    Example::
+
+        >>> import spmd_types as spmd
+        >>> str(spmd.R), str(spmd.S(0)), spmd.backward_type(spmd.R) is spmd.P
+        ('R', 'S(0)', True)
+    """
+
+    __slots__ = ("_short", "_long")
+
+    def __init__(self, short: str, long: str) -> None:
+        object.__setattr__(self, "_short", short)
+        object.__setattr__(self, "_long", long)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("SPMD types are immutable")
+
+    def __str__(self) -> str:
+        return self._short
+
+    def __repr__(self) -> str:
+        return self._short
+
+    def __reduce__(self):
+        return (_by_short_name, (self._short,))
+
+    @property
+    def long_name(self) -> str:
+        """The long name, e.g. ``'Replicate'``."""
+        return self._long
+
+    def code(self) -> str:
+        """The expression that spells this type in user code, e.g. ``spmd.R``."""
+        return f"spmd.{self._short}"
+
+    @property
+    def is_varying(self) -> bool:
+        """True for V and every S(d): different data on each rank."""
+        return False
+
+
+class _Shard(SpmdType):
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(f"S({dim})", f"Shard({dim})")
+        object.__setattr__(self, "dim", dim)
+
+    def __reduce__(self):
+        return (S, (self.dim,))
+
+    @property
+    def is_varying(self) -> bool:
+        return True
+
+
+class _Varying(SpmdType):
+    __slots__ = ()
+
+    @property
+    def is_varying(self) -> bool:
+        return True
+
+
+R = SpmdType("R", "Replicate")
+I = SpmdType("I", "Invariant")  # noqa: E741 - the seed's name for the type
+V = _Varying("V", "Varying")
+P = SpmdType("P", "Partial")
+Replicate = R
+Invariant = I
+Varying = V
+Partial = P
+
+_SHARDS: dict[int, _Shard] = {}
+
+
+def S(dim: int) -> SpmdType:
+    """Shard on tensor dim ``dim``: V whose shards concatenate on ``dim``.
+
+    Example::
+
+        >>> S(1) is S(1), str(S(-1))
+        (True, 'S(-1)')
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"S(dim) needs an int tensor dim, got {dim!r}")
+    shard = _SHARDS.get(dim)
+    if shard is None:
+        shard = _SHARDS[dim] = _Shard(dim)
+    return shard
+
+
+Shard = S
+
+
+def _by_short_name(short: str) -> SpmdType:
+    return {"R": R, "I": I, "V": V, "P": P}[short]
+
+
+_BACKWARD = {R: P, P: R, I: I, V: V}
+
+
+def backward_type(t: SpmdType) -> SpmdType:
+    """The type of the gradient of a value of type ``t``.
+
+    R <-> P swap (seed 000's Reduced <-> Unreduced); I, V and S(d) map to
+    themselves.
+
+    Example::
+
+        >>> backward_type(R), backward_type(P), backward_type(S(2))
+        (P, R, S(2))
+    """
+    if isinstance(t, _Shard):
+        return t
+    try:
+        return _BACKWARD[t]
+    except (KeyError, TypeError):
+        raise TypeError(f"backward_type needs an SPMD type (R, I, V, P, S(d)), got {t!r}") from None
+
+
+def check_type_value(value: object, what: str) -> SpmdType:
+    """Return ``value`` if it is an SPMD type, else raise a TypeError naming ``what``."""
+    if isinstance(value, SpmdType):
+        return value
+    raise TypeError(
+        f"{what} must be an SPMD type (spmd.R, spmd.I, spmd.V, spmd.P or spmd.S(d)), "
+        f"got {value!r} of type {type(value).__name__}"
+    )
+
+
+class PartitionSpec(tuple):
+    """Per tensor dim: ``None``, one mesh axis name, or a tuple of axis names.
+
+    Example::
+
+        >>> PartitionSpec(None, "tp")
+        PartitionSpec(None, 'tp')
+    """
+
+    def __new__(cls, *entries: str | tuple[str, ...] | None) -> PartitionSpec:
+        for e in entries:
+            ok = e is None or isinstance(e, str) or (
+                isinstance(e, tuple) and all(isinstance(a, str) for a in e)
+            )
+            if not ok:
+                raise TypeError(
+                    f"PartitionSpec entries are None, an axis name or a tuple of axis names; got {e!r}"
+                )
+        return super().__new__(cls, entries)
+
+    def __repr__(self) -> str:
+        return "PartitionSpec(" + ", ".join(repr(e) for e in self) + ")"
+
+
+class TypeMap:
+    """An interned, immutable ``{axis: type}`` mapping: a tensor's type.
+
+    Build one with :meth:`TypeMap.of`; equal mappings are the same object, so
+    equality and hashing are by identity.
+    """
+
+    __slots__ = ("items", "_dict", "__weakref__")
+    _interned: dict[tuple, TypeMap] = {}
+
+    items: tuple[tuple[str, SpmdType], ...]
+
+    def __init__(self, items: tuple[tuple[str, SpmdType], ...]) -> None:
+        self.items = items
+        self._dict = dict(items)
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, SpmdType] | Iterable[tuple[str, SpmdType]]) -> TypeMap:
+        pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
+        key = tuple(sorted(pairs, key=lambda kv: kv[0]))
+        found = cls._interned.get(key)
+        if found is None:
+            found = cls._interned[key] = cls(key)
+        return found
+
+    def get(self, axis: str, default: SpmdType | None = None) -> SpmdType | None:
+        return self._dict.get(axis, default)
+
+    def __getitem__(self, axis: str) -> SpmdType:
+        return self._dict[axis]
+
+    def __contains__(self, axis: object) -> bool:
+        return axis in self._dict
+
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for a, _ in self.items)
+
+    def as_dict(self) -> dict[str, SpmdType]:
+        return dict(self._dict)
+
+    def replace(self, axis: str, t: SpmdType) -> TypeMap:
+        d = dict(self._dict)
+        d[axis] = t
+        return TypeMap.of(d)
+
+    def backward(self) -> TypeMap:
+        return TypeMap.of((a, backward_type(t)) for a, t in self.items)
+
+    def format(self, order: Iterable[str] = ()) -> str:
+        """``{dp: V, tp: R}``, axes in ``order`` first, then the rest sorted."""
+        order = [a for a in order if a in self._dict]
+        rest = [a for a, _ in self.items if a not in order]
+        return "{" + ", ".join(f"{a}: {self._dict[a]}" for a in order + rest) + "}"
+
+    def __repr__(self) -> str:
+        return f"TypeMap({self.format()})"
+
+    def __reduce__(self):
+        return (TypeMap.of, (self.items,))
