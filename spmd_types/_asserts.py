@@ -94,7 +94,7 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     if isinstance(t, torch.nn.Module):
         for p in t.parameters():
             _type_or_check(p, want)
-        for name, b in t.named_buffers():
+        for b in t.buffers():
             _type_or_check(b, want)
         return t
     if not isinstance(t, torch.Tensor):

@@ -1,0 +1,36 @@
+"""Shared fixtures: a fake process group of the size a test needs, and meshes on it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def fake_world(size: int) -> None:
+    """Make the default process group a fake one of ``size`` ranks (rank 0)."""
+    if dist.is_initialized():
+        if dist.get_world_size() == size and dist.get_backend() == "fake":
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+
+
+def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A DeviceMesh of ``shape`` with ``names`` on a fake process group of matching size."""
+    fake_world(math.prod(shape))
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+@pytest.fixture
+def mesh_dp_tp():
+    """The (dp=2, tp=4) mesh on 8 fake ranks."""
+    return fake_mesh((2, 4), ("dp", "tp"))
+
+
+@pytest.fixture
+def mesh_tp4():
+    return fake_mesh((4,), ("tp",))
