@@ -92,20 +92,18 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         )
     want = _normalize(types, "assert_type")
     if isinstance(t, torch.nn.Module):
-        for p in t.parameters():
-            _type_or_check(p, want)
-        for b in t.buffers():
-            _type_or_check(b, want)
+        for member in list(t.parameters()) + list(t.buffers()):
+            _type_or_check(member, want, in_place=True)
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")
     return _type_or_check(t, want)  # type: ignore[return-value]
 
 
-def _type_or_check(t: torch.Tensor, want: TypeMap) -> torch.Tensor:
+def _type_or_check(t: torch.Tensor, want: TypeMap, in_place: bool = False) -> torch.Tensor:
     have = getattr(t, "_spmd_types", None)
     if have is None:
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+        if in_place or isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
             return type_in_place(t, want)
         return make_typed(t, want)
     _check(have, want)

@@ -28,6 +28,12 @@ def _torch_dir() -> str:
 
 def user_source_line() -> str | None:
     """``path:line: code`` of the innermost frame outside spmd_types, torch and the stdlib."""
+    found = user_source()
+    return found[0] if found else None
+
+
+def user_source() -> tuple[str, str] | None:
+    """``(path:line: code, code)`` of the innermost user frame, or None."""
     global _SKIP_DIRS
     if len(_SKIP_DIRS) == 1:
         import contextlib
@@ -44,7 +50,7 @@ def user_source_line() -> str | None:
                 shown = filename
             if shown.startswith(".."):
                 shown = filename
-            return f"{shown}:{frame.f_lineno}: {code}"
+            return f"{shown}:{frame.f_lineno}: {code}", code
         frame = frame.f_back
     return None
 
@@ -92,8 +98,33 @@ class SpmdTypeError(TypeError):
         return (SpmdTypeError, (Rejection(self.rule, self.seen, self.fixes, self.notes), self.source))
 
 
-def raise_rejection(rejection: Rejection) -> None:
-    raise SpmdTypeError(rejection, user_source_line())
+def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...]) -> SpmdTypeError:
+    """The error for a rejected op, with operands spelled as in the user's own line where possible."""
+    from ._source import operand_expressions
+
+    found = user_source()
+    if found is None:
+        return SpmdTypeError(rejection, None)
+    source, code = found
+    exprs = operand_expressions(code, attr_name, params)
+    exprs = {label: e for label, e in exprs.items() if label != e}
+    if exprs:
+        fixes = []
+        for fix in rejection.fixes:
+            for label, expr in exprs.items():
+                fix = fix.replace(f"({label}, '", f"({expr}, '")
+            fixes.append(fix)
+        seen = []
+        for key, value in rejection.seen:
+            if key == "operands":
+                lines = []
+                for line in value.split("\n"):
+                    label, _, rest = line.partition(": ")
+                    lines.append(f"{label} ({exprs[label]}): {rest}" if label in exprs else line)
+                value = "\n".join(lines)
+            seen.append((key, value))
+        rejection = Rejection(rejection.rule, seen, fixes, rejection.notes)
+    return SpmdTypeError(rejection, source)
 
 
 def _rows(rejection: Rejection, source: str | None) -> list[tuple[str, str]]:

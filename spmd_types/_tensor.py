@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._errors import Rejection, SpmdTypeError, op_error, user_source_line
 from ._op_registry import ENTRIES, OpEntry, entry_for
 from ._rules import infer
 from ._rules_table import RuleKind
@@ -84,10 +84,14 @@ class LTensor(torch.Tensor):
             return memo[id(self)]
         with _DisableTF():
             data = self.detach().clone(memory_format=torch.preserve_format)
+        state = {k: v for k, v in self.__dict__.items() if k != "_spmd_grad_hooked"}
+        if isinstance(self, torch.nn.Parameter):
+            data = type_in_place(torch.nn.Parameter(data, self.requires_grad), self._spmd_types)
+        else:
             if self.requires_grad and self.is_leaf:
                 data.requires_grad_(True)
-        data.__class__ = _typed_class_for(data, type(self))
-        data.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            data.__class__ = _typed_class_for(data)
+        data.__dict__.update(copy.deepcopy(state, memo))
         memo[id(self)] = data
         return data
 
@@ -178,7 +182,7 @@ _SWAP_BACK: dict[type, type] = {TypedParameter: torch.nn.Parameter}
 _TYPED_CLASSES = {LTensor, TypedParameter}
 
 
-def _typed_class_for(t: torch.Tensor, default: type = LTensor) -> type:
+def _typed_class_for(t: torch.Tensor) -> type:
     tp = type(t)
     if tp is torch.Tensor:
         return LTensor
@@ -274,7 +278,7 @@ def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
     entry = entry_for(func)
     result = infer(entry, args, kwargs, STATE.strict)
     if isinstance(result, Rejection):
-        raise SpmdTypeError(result, user_source_line())
+        raise op_error(result, getattr(func, "__name__", ""), entry.row.params)
     dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
     if dest is not None and result is not None:
         _check_destination(entry, dest, result)
