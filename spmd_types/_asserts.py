@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
 
 import torch
 
-from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._errors import Rejection, op_error
 from ._mesh import Axis, current_mesh, resolve_axis
 from ._state import STATE
 from ._tensor import make_typed, type_in_place
@@ -123,13 +123,14 @@ def _check(have: TypeMap, want: TypeMap) -> None:
         if _compatible(h, w):
             continue
         fix = route_call("x", axis, h, w) if h is not None else None
-        raise SpmdTypeError(
+        raise op_error(
             Rejection(
                 f"Type assertion failed: the tensor is {h} on axis '{axis}', and the assertion says {w}.",
                 [("have", have.format()), ("want", want.format()), ("axis", f"'{axis}': {h} is not {w}")],
                 [fix] if fix else [],
             ),
-            user_source_line(),
+            "assert_type",
+            ("x", "types"),
         )
 
 
