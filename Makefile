@@ -1,0 +1,28 @@
+# One command sets up and runs the demonstration; one sets up and runs every test.
+#   make demo    make test
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/python examples/quickstart.py
+
+lint: setup
+	$(BIN)/ruff check spmd_types tests examples benchmarks docs
+
+test: setup lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/overhead.py
