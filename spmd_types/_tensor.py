@@ -25,7 +25,10 @@ __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_t
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 
-_UNCHECKED = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA)
+# Metadata queries, and the optimizers' multi-tensor kernels: they update each
+# parameter in place with its own gradient and never change a type (see docs/index.md).
+_OPTIMIZER_KERNELS = {getattr(torch, n) for n in dir(torch) if n.startswith(("_foreach_", "_fused_"))}
+_UNCHECKED = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA) | _OPTIMIZER_KERNELS
 _BACKWARD = torch.Tensor.backward
 _PLAIN = object()
 _ZERO = object()

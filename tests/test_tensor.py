@@ -105,10 +105,12 @@ def test_grad_carries_backward_type(typed):
     assert spmd.get_type(w.grad) == {"dp": spmd.V, "tp": spmd.P}
 
 
-def test_optimizer_step_keeps_parameters_typed(typed):
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_step_keeps_parameters_typed(typed, foreach):
     lin = torch.nn.Linear(4, 4)
     spmd.assert_type(lin, {"dp": spmd.V, "tp": spmd.V})
-    opt = torch.optim.AdamW(lin.parameters(), lr=0.1)
+    spmd.assert_type(lin.bias, {"dp": spmd.V, "tp": spmd.V})
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1, foreach=foreach)
     x = spmd.assert_type(torch.randn(2, 4), {"dp": spmd.V, "tp": spmd.V})
     before = lin.weight.detach().clone()
     lin(x).sum().backward()
