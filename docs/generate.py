@@ -10,6 +10,7 @@ import argparse
 import pathlib
 import sys
 
+from spmd_types._op_registry import _resolve
 from spmd_types._rules_table import ROWS, RuleKind
 
 HERE = pathlib.Path(__file__).parent
@@ -61,7 +62,7 @@ def rules_page() -> str:
         "|---|---|---|---|",
     ]
     for row in ROWS:
-        names = ", ".join(f"`{n.lstrip('?')}`" for n in row.names)
+        names = ", ".join(f"`{n.lstrip('?')}`" for n in row.names if _resolve(n.lstrip("?"))[0] is not None)
         lines.append(f"| {names} | {row.kind.value} | {_algebra(row)} | {row.reason} |")
     return "\n".join(lines) + "\n"
 
