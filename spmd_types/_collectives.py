@@ -1,0 +1,268 @@
+"""Typed collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``redistribute``.
+
+One section per collective, holding its typing, its forward and its
+backward; the backward is a call to the op's dual as ``_transitions`` names
+it, so ``all_gather(dst=R)`` backward is a reduce-scatter and
+``all_gather(dst=I)`` backward is a local slice. The denotations (CONTRACT
+section 1): R and I are the one value every rank holds, V the per-rank values
+stacked on a new dim 0, S(d) the shards concatenated on dim d, P their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import _comm_impl as impl
+from ._comm_call import Call, begin, check_sizes, dual, finish, norm_dim, register, run
+from ._transitions import ROUTE
+from ._local import convert
+from ._types import P, R, SpmdType, V, check_type_value
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
+
+
+def _varying_dim(opname: str, what: str, t: SpmdType, given: int | None, given_name: str, ndim: int) -> int | None:
+    """The tensor dim a V/S(d) side lives on: S(d)'s d, else ``given`` (None: stacked on a new dim 0)."""
+    if t is V:
+        return None if given is None else norm_dim(opname, f"{given_name}={given}", given, ndim)
+    dim = norm_dim(opname, f"{what}={t}", t.dim, ndim)
+    if given is not None and norm_dim(opname, f"{given_name}={given}", given, ndim) != dim:
+        raise ValueError(f"{opname}: {what}={t} already says dim {t.dim}; {given_name}={given} disagrees with it")
+    return dim
+
+
+def _check_split(
+    opname: str, x: torch.Tensor, dim: int, n: int, sizes: Any, label: str, what: str, uneven_ok: bool = True
+) -> None:
+    length = x.shape[dim]
+    if sizes is not None:
+        if sum(sizes) != length:
+            raise ValueError(f"{opname}: sizes={list(sizes)} add up to {sum(sizes)}, but dim {dim} has size {length}")
+        return
+    if length % n:
+        raise ValueError(
+            f"{opname}: {what} splits tensor dim {dim} (size {length}) into {n} equal shards on axis {label}; "
+            f"{length} is not divisible by {n}."
+            + (" Pass sizes= (one per rank) for uneven shards." if uneven_ok else "")
+        )
+
+
+def _function(name: str, kernel):
+    """The autograd Function of an op: forward is ``kernel``, backward is the op's dual from the table."""
+
+    class _Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+            ctx.call = call
+            return kernel(x, call)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return run(dual(ctx.call), g), None
+
+    _Op.__name__ = _Op.__qualname__ = name
+    return _Op
+
+
+# ---------------------------------------------------------------------------
+# all_reduce: P -> R (backward all_reduce), P -> I (backward reinterpret(I, R): no comm)
+
+
+def all_reduce(x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = R, op: str = "sum") -> torch.Tensor:
+    """Sum (``op="avg"``: average) the pending sum over ``axis``.
+
+    ``dst=R``: backward all-reduces the (pending) gradient. ``dst=I``: the
+    gradient is already summed, backward does nothing. ``src=V`` means
+    ``reinterpret(V, P)`` first. ``axis=("dp", "tp")`` reduces over both in one
+    collective on the flattened group::
+
+        +A
+        +B  =>  A + B + C
+        +C
+
+    Example::
+
+        out = spmd.all_reduce(partial_out, "tp", src=spmd.P, dst=spmd.R)
+    """
+    begun = begin("all_reduce", x, axis, src, dst, op)
+    return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op), x)
+
+
+def _all_reduce_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    return impl.all_reduce(x, call.comm, call.reduce)
+
+
+register("all_reduce", _function("_AllReduce", _all_reduce_kernel), _all_reduce_kernel)
+
+
+# ---------------------------------------------------------------------------
+# all_gather: V -> R (backward reduce_scatter), V -> I (backward convert(I, V): a local slice)
+
+
+def all_gather(
+    x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = R, gather_dim: int | None = None,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Gather every rank's ``x``: stacked on a new dim 0 (``src=V``) or concatenated on d (``src=S(d)``).
+
+    ``gather_dim=`` concatenates a ``src=V`` input on that dim instead.
+    ``sizes=`` (one per rank) gathers uneven shards. ``dst=R`` backward is a
+    reduce-scatter; ``dst=I`` backward is a local slice (no communication)::
+
+        [A]
+        [B]  =>  [A, B, C]
+        [C]
+
+    Example::
+
+        full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R)
+    """
+    begun = begin("all_gather", x, axis, src, dst)
+    comm = begun.comm
+    dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
+    sizes = check_sizes(begun.opname, sizes, comm)
+    if sizes is not None and dim is None:
+        raise ValueError(f"{begun.opname}: sizes= needs a concat dim (src=S(d) or gather_dim=); V inputs stack")
+    return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes), x)
+
+
+def _all_gather_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    out = impl.all_gather(x, call.comm, call.dim, call.sizes)
+    return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
+
+
+register("all_gather", _function("_AllGather", _all_gather_kernel), _all_gather_kernel)
+
+
+# ---------------------------------------------------------------------------
+# reduce_scatter: P -> V (backward all_gather(V, R))
+
+
+def reduce_scatter(
+    x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = V, scatter_dim: int | None = None,
+    op: str = "sum", sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Sum (or average) the pending sum and keep this rank's part of it.
+
+    ``dst=V`` keeps index ``rank`` of dim 0 (dim 0 has one entry per rank);
+    ``dst=S(d)`` keeps this rank's shard of dim d (``sizes=`` for uneven
+    shards). ``src=V`` means ``reinterpret(V, P)`` first. Backward is an
+    all-gather::
+
+        +[A0, A1, A2]       [A0 + B0 + C0]
+        +[B0, B1, B2]  =>   [A1 + B1 + C1]
+        +[C0, C1, C2]       [A2 + B2 + C2]
+
+    Example::
+
+        grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
+    """
+    begun = begin("reduce_scatter", x, axis, src, dst, op)
+    comm, opname = begun.comm, begun.opname
+    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
+    sizes = check_sizes(opname, sizes, comm)
+    if dim is None:
+        if sizes is not None:
+            raise ValueError(f"{opname}: sizes= needs a scatter dim (dst=S(d) or scatter_dim=); dst=V indexes dim 0")
+        if x.dim() == 0 or x.shape[0] != comm.size:
+            raise ValueError(
+                f"{opname}: dst=V keeps index `rank` of dim 0, so dim 0 must have one entry per rank of axis "
+                f"{comm.label} ({comm.size}); got shape {list(x.shape)}"
+            )
+    else:
+        _check_split(opname, x, dim, comm.size, sizes, comm.label, f"dst={begun.dst}")
+    return finish(begun, Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op), x)
+
+
+def _reduce_scatter_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    return impl.reduce_scatter(x, call.comm, call.dim, call.reduce, call.sizes)
+
+
+register("reduce_scatter", _function("_ReduceScatter", _reduce_scatter_kernel), _reduce_scatter_kernel)
+
+
+# ---------------------------------------------------------------------------
+# all_to_all: V -> V, S(i) -> S(j) (backward all_to_all S(j) -> S(i))
+
+
+def all_to_all(
+    x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = V, split_dim: int | None = None,
+    concat_dim: int | None = None,
+) -> torch.Tensor:
+    """Split ``x`` on ``split_dim`` into one piece per rank, send piece j to rank j, concatenate on ``concat_dim``.
+
+    ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
+    dim j (``concat_dim=i``, ``split_dim=j``). With plain V give both dims.
+    Backward is the all-to-all back::
+
+        [A0, A1]        [A0, B0]
+        [B0, B1]   =>   [A1, B1]
+
+    Example::
+
+        heads = spmd.all_to_all(seq_shard, "cp", src=spmd.S(0), dst=spmd.S(1))
+    """
+    begun = begin("all_to_all", x, axis, src, dst)
+    comm, opname, ndim = begun.comm, begun.opname, x.dim()
+    concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
+    split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
+    if split is None or concat is None:
+        raise ValueError(
+            f"{opname}: with src={begun.src}, dst={begun.dst} give split_dim= and concat_dim= "
+            "(or use src=S(i), dst=S(j), which say them)"
+        )
+    _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
+    call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat)
+    return finish(begun, call, x)
+
+
+def _all_to_all_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    out = impl.all_to_all(x, call.comm, call.split_dim, call.concat_dim)  # type: ignore[arg-type]
+    return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
+
+
+register("all_to_all", _function("_AllToAll", _all_to_all_kernel), _all_to_all_kernel)
+
+
+# ---------------------------------------------------------------------------
+# redistribute: keep the meaning, communicate as needed (routes via _transitions.ROUTE)
+
+
+def _base(t: SpmdType) -> SpmdType:
+    return V if t.is_varying else t
+
+
+def redistribute(
+    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` keeping its meaning.
+
+    Runs the op ``_transitions.ROUTE`` names for the pair: a convert (R/I -> V,
+    P; V -> P), an all-gather (V -> R, I), an all-reduce (P -> R, I), a
+    reduce-scatter (P -> V) or an all-to-all (S(i) -> S(j)). Its backward is
+    that op's backward. ``src == dst`` returns ``x`` unchanged.
+
+    Example::
+
+        y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
+    """
+    src = check_type_value(src, "spmd.redistribute: src")
+    dst = check_type_value(dst, "spmd.redistribute: dst")
+    if src is dst:
+        return x
+    op = ROUTE.get((_base(src), _base(dst)))
+    if op == "all_to_all" and (src is V or dst is V):
+        raise ValueError(
+            f"spmd.redistribute: {src} -> {dst} does not say which dims to split and concatenate; use "
+            "src=S(i), dst=S(j), or spmd.all_to_all(..., split_dim=, concat_dim=)"
+        )
+    kwargs: dict[str, Any] = {"src": src, "dst": dst}
+    if sizes is not None:
+        kwargs["sizes"] = sizes
+    return _ROUTED[op](x, axis, **kwargs)
+
+
+_ROUTED = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+           "all_to_all": all_to_all, "convert": convert}

@@ -1,0 +1,258 @@
+"""What every typed communication op shares: the call record, axis lookup, checks, and the runner.
+
+A :class:`Call` is one resolved op: name, src/dst types, the axis, and the
+layout options. Its :func:`dual` is the op its backward runs, read from
+``_transitions`` (the single source of truth): same axis, types swapped
+through :func:`backward_type`, split/concat dims swapped. :func:`run` runs a
+call, through its ``torch.autograd.Function`` when a gradient is needed, so
+the backward of a backward is again a call.
+
+The op sections (``_local.py``, ``_collectives.py``) register their autograd
+Function and kernel with :func:`register`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from ._asserts import _compatible
+from ._comm_impl import AxisComm
+from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._mesh import current_mesh, resolve_axis
+from ._state import STATE
+from ._tensor import _run, _wrap, format_tensor_type
+from ._transitions import allowed, backward_of, find, route_call
+from ._types import P, SpmdType, TypeMap, V, backward_type, check_type_value
+
+__all__ = ["Call", "dual", "run", "register", "begin", "finish", "resolve_comm", "norm_dim", "Begun"]
+
+_REDUCE_OPS = ("sum", "avg")
+
+
+class Call(NamedTuple):
+    """One typed communication op, resolved: everything its forward and backward need."""
+
+    op: str
+    src: SpmdType
+    dst: SpmdType
+    comm: AxisComm
+    dim: int | None = None  # the varying side's layout: None = stacked on a new dim 0, d = S(d)
+    split_dim: int | None = None  # all_to_all only
+    concat_dim: int | None = None
+    sizes: tuple[int, ...] | None = None  # uneven shard sizes on `dim`, one per rank
+    reduce: str = "sum"  # "avg" scales the whole op by 1 / axis size
+
+
+def dual(call: Call) -> Call:
+    """The call the backward of ``call`` runs, as ``_transitions.backward_of`` names it."""
+    op = backward_of(call.op, call.src, call.dst)[0]
+    return call._replace(
+        op=op, src=backward_type(call.dst), dst=backward_type(call.src),
+        split_dim=call.concat_dim, concat_dim=call.split_dim,
+    )
+
+
+_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
+_KERNELS: dict[str, Callable[[torch.Tensor, Call], torch.Tensor]] = {}
+_PRE_REDUCE = ("all_reduce", "reduce_scatter")
+
+
+def register(op: str, function: type[torch.autograd.Function], kernel: Callable[[torch.Tensor, Call], torch.Tensor]) -> None:
+    _FUNCTIONS[op] = function
+    _KERNELS[op] = kernel
+
+
+def run(call: Call, x: torch.Tensor) -> torch.Tensor:
+    """Run ``call`` on plain ``x``: through its autograd Function if ``x`` needs a gradient."""
+    if call.src.is_varying and call.op in _PRE_REDUCE:
+        # src=V on a reduction means reinterpret V -> P first (seed 003); both halves keep their own backward.
+        x = run(call._replace(op="reinterpret", dst=P, reduce="sum"), x)
+        call = call._replace(src=P)
+    if not _FUNCTIONS:
+        _load_sections()
+    if x.requires_grad and torch.is_grad_enabled():
+        return _FUNCTIONS[call.op].apply(x, call)
+    return _KERNELS[call.op](x, call)
+
+
+def _load_sections() -> None:
+    from . import _collectives, _local  # noqa: F401 - they register their ops
+
+
+# ---------------------------------------------------------------------------
+# axis lookup
+
+
+_COMMS: list[Any] = [None, {}]  # [mesh, {axis: AxisComm}] for the last mesh seen
+
+
+def resolve_comm(opname: str, axis: Any) -> AxisComm:
+    """The :class:`AxisComm` for ``axis``: a name, a ProcessGroup, a 1-D DeviceMesh, or a tuple of names."""
+    mesh = current_mesh()
+    if _COMMS[0] is not mesh:
+        _COMMS[0], _COMMS[1] = mesh, {}
+    cache = _COMMS[1]
+    try:
+        found = cache.get(axis)
+    except TypeError:  # unhashable axis: a list
+        found = None
+    if found is None:
+        found = _resolve(opname, axis, mesh)
+        if not isinstance(axis, list):
+            cache[axis] = found
+    return found
+
+
+def _resolve(opname: str, axis: Any, mesh: Any) -> AxisComm:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(axis, (tuple, list)):
+        return _resolve_many(opname, tuple(axis), mesh)
+    if isinstance(axis, dist.ProcessGroup) and (mesh is None or all(g is not axis for g in mesh.groups.values())):
+        return AxisComm((f"group {axis.group_name}",), axis, axis.group_name, axis.size())
+    if isinstance(axis, DeviceMesh) and mesh is None and axis.ndim == 1 and axis.mesh_dim_names:
+        group = axis.get_group()
+        return AxisComm((axis.mesh_dim_names[0],), group, group.group_name, group.size())
+    try:
+        name = resolve_axis(axis)
+    except (ValueError, RuntimeError) as err:
+        raise type(err)(f"{opname}: {err}") from None
+    group = mesh.groups[name]
+    return AxisComm((name,), group, group.group_name, group.size())
+
+
+def _resolve_many(opname: str, names: tuple, mesh: Any) -> AxisComm:
+    if len(names) == 1:
+        return _resolve(opname, names[0], mesh)
+    resolved = tuple(_resolve(opname, n, mesh).names[0] for n in names)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"{opname}: axis {names!r} names a mesh axis twice")
+    device_mesh = getattr(mesh, "device_mesh", None)
+    if device_mesh is None:
+        raise NotImplementedError(
+            f"{opname} over several axes {names!r} flattens them into one group, which needs the current "
+            "mesh to be a DeviceMesh (not a {name: ProcessGroup} dict)"
+        )
+    order = [a for a in mesh.axis_names if a in resolved]
+    if list(resolved) != order:
+        raise ValueError(
+            f"{opname}: list the axes of a flattened collective in mesh order, {tuple(order)!r}, not {resolved!r}"
+        )
+    group = device_mesh[resolved]._flatten().get_group()
+    return AxisComm(resolved, group, group.group_name, group.size())
+
+
+# ---------------------------------------------------------------------------
+# checks before any communication
+
+
+class Begun(NamedTuple):
+    opname: str
+    src: SpmdType
+    dst: SpmdType
+    comm: AxisComm
+    types: TypeMap | None  # the input's types when it is typed and checking is on
+
+
+def begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str = "sum") -> Begun:
+    """Validate the arguments every op shares; raise before any communication."""
+    opname = f"spmd.{op}"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
+    src = check_type_value(src, f"{opname}: src")
+    dst = check_type_value(dst, f"{opname}: dst")
+    if reduce not in _REDUCE_OPS:
+        raise ValueError(f"{opname}: op must be 'sum' or 'avg', got {reduce!r}")
+    comm = resolve_comm(opname, axis)
+    table_src = P if (op in _PRE_REDUCE and src.is_varying) else src
+    if find(op, table_src, dst) is None:
+        _reject_transition(op, opname, comm, src, dst)
+    types = getattr(x, "_spmd_types", None) if STATE.checking else None
+    if types is not None:
+        for name in comm.names:
+            have = types.get(name)
+            if not _compatible(have, src):
+                _reject_src(opname, x, types, comm, name, have, src, dst)
+    return Begun(opname, src, dst, comm, types)
+
+
+def _call_text(opname: str, comm: AxisComm, src: SpmdType, dst: SpmdType) -> str:
+    return f"{opname}(x, {comm.label}, src={src.code()}, dst={dst.code()})"
+
+
+def _reject_transition(op: str, opname: str, comm: AxisComm, src: SpmdType, dst: SpmdType) -> None:
+    pairs = allowed(op)
+    if op in _PRE_REDUCE:
+        pairs = pairs + [(V, d) for s, d in pairs if s is P]  # src=V: reinterpret V -> P first
+    shown = ", ".join(f"{s} -> {d}" for s, d in pairs)
+    fix = route_call("x", comm.names[0], src, dst)
+    raise SpmdTypeError(
+        Rejection(
+            f"{opname} cannot take src={src} to dst={dst}: seed 003's forward/backward table has no such "
+            f"{op}, so it has no backward.",
+            [("op", _call_text(opname, comm, src, dst)), ("allowed", shown)],
+            [fix] if fix and not fix.startswith(opname + "(") else [],
+        ),
+        user_source_line(),
+    )
+
+
+def _reject_src(
+    opname: str, x: torch.Tensor, types: TypeMap, comm: AxisComm, name: str, have: SpmdType | None,
+    src: SpmdType, dst: SpmdType,
+) -> None:
+    fix = route_call("x", name, have, dst) if have is not None else None
+    raise SpmdTypeError(
+        Rejection(
+            f"{opname}'s src= must be the input's type on the axis: src={src}, but the tensor is "
+            f"{have if have is not None else 'untyped'} on axis '{name}'.",
+            [("op", _call_text(opname, comm, src, dst)), ("input", format_tensor_type(x, types)),
+             ("axis", f"'{name}': {have} is not {src}")],
+            [fix] if fix else [],
+        ),
+        user_source_line(),
+    )
+
+
+def norm_dim(opname: str, what: str, d: int, ndim: int) -> int:
+    """``d`` as a non-negative tensor dim of an ``ndim``-dim tensor, or a clear error."""
+    if not -ndim <= d < ndim:
+        raise ValueError(f"{opname}: {what} names tensor dim {d}, but the tensor has {ndim} dims")
+    return d % ndim
+
+
+def check_sizes(opname: str, sizes: Sequence[int] | None, comm: AxisComm) -> tuple[int, ...] | None:
+    if sizes is None:
+        return None
+    sizes = tuple(int(s) for s in sizes)
+    if len(sizes) != comm.size or any(s < 0 for s in sizes):
+        raise ValueError(
+            f"{opname}: sizes= gives one shard size per rank of axis {comm.label} ({comm.size} ranks), "
+            f"got {list(sizes)}"
+        )
+    return sizes
+
+
+# ---------------------------------------------------------------------------
+# running: unwrap, run, give the output its type
+
+
+def unwrap(x: torch.Tensor) -> torch.Tensor:
+    """A plain alias of typed ``x`` (autograd still reaches ``x``); plain ``x`` as is."""
+    if hasattr(x, "_spmd_types"):
+        return _run(torch.Tensor.view_as, (x, x), {})
+    return x
+
+
+def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:
+    """Run ``call`` on ``x`` and type the result when the input was typed under checking."""
+    out = run(call, unwrap(x))
+    types = begun.types
+    if types is None:
+        return out
+    for name in call.comm.names:
+        types = types.replace(name, begun.dst)
+    return _wrap(out, types)

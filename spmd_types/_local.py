@@ -1,0 +1,156 @@
+"""``reinterpret`` and ``convert``: type changes with no communication in the forward.
+
+Each section holds the op's typing, its forward and its backward; the
+backward is a call to the op's dual as ``_transitions`` names it (see
+``_comm_call.dual``), so the table is the one source of truth. The backward of
+some of them communicates: ``reinterpret(I, R)`` backward is an all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import _comm_impl as impl
+from ._comm_call import Call, begin, check_sizes, dual, finish, norm_dim, register, run
+from ._types import I, P, R, SpmdType, V
+
+__all__ = ["reinterpret", "convert"]
+
+
+def _base(t: SpmdType) -> SpmdType:
+    return V if t.is_varying else t
+
+
+# ---------------------------------------------------------------------------
+# reinterpret: same local data, new type (the meaning may change)
+
+
+def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> torch.Tensor:
+    """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` without touching its local data.
+
+    The meaning may change: ``reinterpret(R, P)`` of ``[3.]`` on 4 ranks means
+    ``[12.]``. No communication forward; the backward is the dual in seed
+    003's table (``reinterpret(I, R)`` backward is an all-reduce)::
+
+        A   =>  +A          (R -> P: every rank's copy joins the pending sum)
+                +A
+
+    Example::
+
+        out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
+    """
+    begun = begin("reinterpret", x, axis, src, dst)
+    return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm), x)
+
+
+def _reinterpret_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    return impl.scaled(x, call.reduce, call.comm.size)
+
+
+class _Reinterpret(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+        ctx.call = call
+        return _reinterpret_kernel(x, call)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return run(dual(ctx.call), g), None
+
+
+register("reinterpret", _Reinterpret, _reinterpret_kernel)
+
+
+# ---------------------------------------------------------------------------
+# convert: same meaning, new type (local slicing or zero-filling only)
+
+
+def convert(
+    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Change ``x``'s type on ``axis`` keeping its meaning, with local work only.
+
+    * R/I -> V: each rank keeps ``x[rank]`` (dim 0 must have one entry per rank);
+      R/I -> S(d): each rank keeps its shard of dim ``d`` (``sizes=`` for uneven shards).
+    * R/I -> P: rank 0 keeps ``x``, the others hold zeros.
+    * V -> P: each rank puts its value at index ``rank`` of zeros ``[N, ...]``;
+      S(d) -> P: each rank puts its shard in its place in zeros of the full shape.
+    * R <-> I: nothing changes but the gradient's type.
+
+    ::
+
+        [A, B, C]  =>  [A]      (R -> S(0): keep your slice)
+                       [B]
+                       [C]
+
+    Example::
+
+        w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
+    """
+    begun = begin("convert", x, axis, src, dst)
+    src, dst, comm = begun.src, begun.dst, begun.comm
+    sizes = check_sizes(begun.opname, sizes, comm)
+    dim = None
+    if _base(dst) is V:
+        dim = _slice_layout(begun.opname, x, dst, comm.size, sizes, comm.label)
+    elif _base(src) is V:
+        dim = None if src is V else norm_dim(begun.opname, f"src={src}", src.dim, x.dim())
+    return finish(begun, Call("convert", src, dst, comm, dim=dim, sizes=sizes), x)
+
+
+def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: Any, label: str) -> int | None:
+    """The dim that ``convert(..., dst=V or S(d))`` slices, after checking it splits evenly."""
+    if dst is V:
+        if x.dim() == 0 or x.shape[0] != n:
+            raise ValueError(
+                f"{opname}: dst=V keeps x[rank], so dim 0 must have one entry per rank of axis {label} "
+                f"({n}); got shape {list(x.shape)}"
+            )
+        return None
+    dim = norm_dim(opname, f"dst={dst}", dst.dim, x.dim())
+    length = x.shape[dim]
+    if sizes is not None:
+        if sum(sizes) != length:
+            raise ValueError(f"{opname}: sizes={list(sizes)} add up to {sum(sizes)}, but dim {dim} has size {length}")
+    elif length % n:
+        raise ValueError(
+            f"{opname}: dst={dst} splits tensor dim {dim} (size {length}) into {n} equal shards on axis "
+            f"{label}; {length} is not divisible by {n}. Pass sizes= (one per rank) for uneven shards."
+        )
+    return dim
+
+
+_CONVERT_KIND = {
+    (R, I): "same", (I, R): "same", (R, V): "take", (I, V): "take",
+    (R, P): "first", (I, P): "first", (V, P): "place",
+}
+
+
+def _convert_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    kind = _CONVERT_KIND[(_base(call.src), _base(call.dst))]
+    comm = call.comm
+    if kind == "same":
+        out = x.view_as(x)
+    elif kind == "take":
+        out = impl.take_slice(x, comm, call.dim, call.sizes)
+    elif kind == "first":
+        out = impl.keep_on_first(x, comm)
+    else:
+        out = impl.place_slice(x, comm, call.dim, call.sizes)
+    return out if call.reduce == "sum" else impl.scaled(out, call.reduce, comm.size)
+
+
+class _Convert(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+        ctx.call = call
+        return _convert_kernel(x, call)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return run(dual(ctx.call), g), None
+
+
+register("convert", _Convert, _convert_kernel)
