@@ -56,7 +56,7 @@ def _local_mode():
     return enabled_local_tensor_mode()
 
 
-_SIM_RANKS: dict[tuple[str, frozenset], object] = {}
+_SIM_RANKS: dict[tuple[dist.ProcessGroup, frozenset], object] = {}  # keeps the group alive: ids stay unique
 
 
 def group_rank(comm: AxisComm) -> int | torch.SymInt:
@@ -69,7 +69,7 @@ def group_rank(comm: AxisComm) -> int | torch.SymInt:
     lm = _local_mode()
     if lm is None:
         return dist.get_rank(comm.group)
-    key = (comm.group_name, frozenset(lm.ranks))
+    key = (comm.group, frozenset(lm.ranks))
     found = _SIM_RANKS.get(key)
     if found is None:
         from torch.distributed._local_tensor import LocalIntNode

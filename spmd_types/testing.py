@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._types import I, P, R, SpmdType, V, backward_type
 
-__all__ = ["CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks"]
+__all__ = ["CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks", "random_value"]
 
 # ``_c10d_functional`` op name -> the short name the counter reports.
 _SHORT = {
@@ -113,9 +113,19 @@ def denote(t: torch.Tensor, mesh: Any, types: Mapping[str, SpmdType], *, first: 
     innermost first (``first`` folds that axis before all others), so an op on
     one axis compares per slice of the others.
     """
+    with _outside_simulation():
+        return _denote(rank_values(t), mesh, types, first)
+
+
+def _outside_simulation():
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()
+
+
+def _denote(values: dict[int, torch.Tensor], mesh: Any, types: Mapping[str, SpmdType], first: str | None) -> torch.Tensor:
     names = list(mesh.mesh_dim_names)
     layout = mesh.mesh
-    values = rank_values(t)
     table: dict[tuple[int, ...], torch.Tensor] = {}
     for coord in _coords(layout.shape):
         table[coord] = values[int(layout[coord])]
@@ -148,4 +158,23 @@ def pair(primal: torch.Tensor, cotangent: torch.Tensor, mesh: Any, types: Mappin
     over ranks of the local inner products; for I it is one copy's.
     """
     back = {a: backward_type(t) for a, t in types.items()}
-    return (denote(primal, mesh, types).double() * denote(cotangent, mesh, back).double()).sum()
+    a, b = denote(primal, mesh, types), denote(cotangent, mesh, back)
+    with _outside_simulation():
+        return (a.double() * b.double()).sum()
+
+
+def random_value(mesh: Any, types: Mapping[str, SpmdType], shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """A random per-rank value of ``types``: equal across an axis where the type is R or I.
+
+    Rank ``r``'s value depends only on its coordinates along the axes where it
+    may differ (V, S(d), P), so an R/I value really is the same on every rank.
+    """
+    names = list(mesh.mesh_dim_names)
+    layout = mesh.mesh
+    keep = [i for i, a in enumerate(names) if types[a] not in (R, I)]
+    by_rank: dict[int, torch.Tensor] = {}
+    for coord in _coords(layout.shape):
+        key = tuple(coord[i] for i in keep)
+        g = torch.Generator().manual_seed(seed * 1000003 + hash(key) % 1000003)
+        by_rank[int(layout[coord])] = torch.randn(shape, generator=g)
+    return per_rank(lambda r: by_rank[r].clone())
