@@ -45,6 +45,11 @@ def _is_inplace(attr_name: str) -> bool:
 
 
 def _resolve(name: str) -> tuple[Callable[..., Any] | None, str]:
+    if name.endswith(".__set__"):  # assigning a property: ``x.grad = g`` calls ``grad.__set__``
+        ns_name, _, attr_name = name[: -len(".__set__")].rpartition(".")
+        desc = _NAMESPACES[ns_name].__dict__.get(attr_name) or getattr(_NAMESPACES[ns_name], attr_name, None)
+        setter = getattr(desc, "__set__", None)
+        return setter, f"{attr_name}.__set__"
     ns_name, _, attr_name = name.rpartition(".")
     ns = _NAMESPACES[ns_name]
     attr = ns.__dict__.get(attr_name) if ns is torch.Tensor else getattr(ns, attr_name, None)

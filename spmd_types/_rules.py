@@ -38,6 +38,7 @@ class Operand:
     label: str
     types: TypeMap | _Weak
     is_tensor: bool
+    zero: bool = False  # a Python number equal to 0
 
     def on(self, axis: str) -> SpmdType | None:
         t = self.types
@@ -61,12 +62,13 @@ def _operand(label: str, value: Any) -> Operand | None:
         t = types_of(value)
         return Operand(label, t if t is not None else WEAK, True)
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
-        return Operand(label, WEAK, False)
+        return Operand(label, WEAK, False, _is_zero(value))
     return None
 
 
 def _is_zero(value: Any) -> bool:
-    return value is None or (isinstance(value, numbers.Number) and not isinstance(value, bool) and value == 0)
+    # Only plain int/float zeros count: the tensor layer's result cache tells exactly these apart.
+    return value is None or (type(value) in (int, float) and value == 0)
 
 
 def _bind(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, list[Operand]]:
@@ -81,7 +83,8 @@ def _bind(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[s
         else:
             name = params[i] if i < len(params) else f"arg{i}"
         raw.append((name, a))
-    raw.extend(kwargs.items())
+    # out= is where the result goes, not an operand: the tensor layer checks it against the result.
+    raw.extend((k, v) for k, v in kwargs.items() if k != "out")
     counts: dict[str, int] = {}
     for name, value in raw:
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
@@ -130,7 +133,10 @@ def _fill_is_zero(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -
     if name in kwargs:
         return _is_zero(kwargs[name])
     idx = entry.row.params.index(name)
-    return _is_zero(args[idx]) if idx < len(args) else True
+    if idx < len(args):
+        return _is_zero(args[idx])
+    # No fill value given: F.pad pads with zero, but ones_like / rand_like fill with non-zero values.
+    return entry.row.kind is not RuleKind.FACTORY
 
 
 def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: bool) -> TypeMap | Rejection | None:
@@ -192,7 +198,8 @@ def _axis_type(entry, terms, others, operands, axis):
     if p_term is not None:
         p_op = next(op for op in p_term if op.on(axis) is P)
         for term, t in term_types:
-            if t is not P:
+            if t is not P and not all(op.zero for op in term):
+                # adding a zero constant keeps a pending sum (where(c, p, 0), p[i] = 0)
                 return _p_plus_non_p(entry, operands, axis, p_op, term)
         for op in others:
             t = op.on(axis)
