@@ -120,8 +120,10 @@ ROWS: tuple[Row, ...] = (
     Row(("F.bilinear",), ML, "x1 @ W @ x2 + b: linear in x1, W and x2 separately; the bias is a separate term",
         params=("input1", "input2", "weight", "bias"), terms=(("input1", "weight", "input2"), ("bias",))),
     Row(_fam("addmm", "addbmm", "baddbmm", "addmv", "addr"),
-        ML, "beta * b + a1 @ a2: the bias term plus a product linear in each factor",
-        params=("input", "mat1", "mat2"), terms=(("input",), ("mat1", "mat2"))),
+        ML, "beta * b + a1 @ a2: the bias term plus a product linear in each factor (one product; its factors' "
+        "keyword names differ per op: mat1/mat2, mat/vec, vec1/vec2, batch1/batch2)",
+        params=("input", "mat1", "mat2"),
+        terms=(("input",), ("mat1", "mat2"), ("mat", "vec"), ("vec1", "vec2"), ("batch1", "batch2"))),
     # ---- reductions -------------------------------------------------------
     Row(_fam("sum", "mean", "cumsum", "trace", "diff", inplace=False) + ("Tensor.cumsum_",),
         LIN, "a sum or mean of a pending sum is the pending sum of the local sums", terms=UNARY),
@@ -152,11 +154,13 @@ ROWS: tuple[Row, ...] = (
         LIN, "selecting by an index is linear in the data; the index is non-linear",
         params=("input", "dim", "index"), terms=UNARY),
     Row(_fam("index_add", "scatter_add", "index_copy", "scatter"),
-        LIN, "writing values at indices is linear in the destination and the values jointly",
-        params=("input", "dim", "index", "source"), terms=(("input",), ("source",))),
+        LIN, "writing values at indices is linear in the destination and the values jointly (the values are "
+        "spelled source, src or value, depending on the op)",
+        params=("input", "dim", "index", "source"), terms=(("input",), ("source",), ("src",), ("value",))),
     Row(_fam("index_put", "masked_scatter"),
-        LIN, "writing values at indices is linear in the destination and the values jointly",
-        params=("input", "index", "source"), terms=(("input",), ("source",))),
+        LIN, "writing values at indices is linear in the destination and the values jointly (the values are "
+        "spelled source or values, depending on the op)",
+        params=("input", "index", "source"), terms=(("input",), ("source",), ("values",))),
     Row(_fam("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
              inplace=False, method=False),
         LIN, "concatenation is linear in all its inputs jointly", params=("tensors",), terms=(("tensors",),)),

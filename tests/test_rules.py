@@ -802,3 +802,22 @@ def test_result_cache_tells_fill_values_apart(x):
     assert tp_type(F.pad(x.p, (1, 1))) is P
     with rejects(NOT_LINEAR + " input"):
         F.pad(x.p, (1, 1), value=1.0)
+
+
+def test_keyword_spellings_of_linear_arguments(x):
+    """Linear arguments passed by keyword (their names differ per op) are still terms, not constants."""
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    assert tp_type(torch.addmv(x.p[0], mat=x.p, vec=x.r[0])) is P
+    assert tp_type(x.p.scatter(0, idx, src=x.p[:1])) is P
+    assert tp_type(x.p.scatter(0, idx, value=0.0)) is P
+    assert tp_type(x.p.index_put((x.idx,), values=x.p[:2])) is P
+    for bad in (
+        lambda: torch.addmv(x.p[0], mat=x.r, vec=x.r[0]),
+        lambda: torch.addr(x.p, vec1=x.r[0], vec2=x.r[0]),
+        lambda: torch.baddbmm(x.p[None], batch1=x.r[None], batch2=x.r[None]),
+        lambda: x.p.scatter_add(0, idx, src=x.r[:1]),
+        lambda: x.p.scatter(0, idx, value=1.0),
+        lambda: x.p.index_put((x.idx,), values=x.r[:2]),
+    ):
+        with rejects(P_PLUS):
+            bad()
