@@ -48,12 +48,22 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 # this rank's index on an axis (per simulated rank under LocalTensorMode)
 
 
+_SIMULATOR: list = []  # [the torch.distributed._local_tensor module, or None], loaded on first use
+
+
+def _simulator():
+    if not _SIMULATOR:
+        try:
+            import torch.distributed._local_tensor as sim
+        except ImportError:  # pragma: no cover - torch without the simulator
+            sim = None
+        _SIMULATOR.append(sim)
+    return _SIMULATOR[0]
+
+
 def _local_mode():
-    try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-    except ImportError:  # pragma: no cover - torch without the simulator
-        return None
-    return enabled_local_tensor_mode()
+    sim = _simulator()
+    return None if sim is None else sim.enabled_local_tensor_mode()
 
 
 _SIM_RANKS: dict[tuple[dist.ProcessGroup, frozenset], object] = {}  # keeps the group alive: ids stay unique
@@ -72,22 +82,19 @@ def group_rank(comm: AxisComm) -> int | torch.SymInt:
     key = (comm.group, frozenset(lm.ranks))
     found = _SIM_RANKS.get(key)
     if found is None:
-        from torch.distributed._local_tensor import LocalIntNode
         from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
         ranks, offsets, _ = _prepare_collective_groups(comm.group)
         index = {o + r: i for o in offsets for i, r in enumerate(ranks)}
-        found = _SIM_RANKS[key] = torch.SymInt(LocalIntNode({r: index[r] for r in lm.ranks}))
+        found = _SIM_RANKS[key] = torch.SymInt(_simulator().LocalIntNode({r: index[r] for r in lm.ranks}))
     return found  # type: ignore[return-value]
 
 
 def _per_rank(fn):
     """Run pure per-rank ``fn(x, index, ...)`` once per simulated rank, or once for real."""
-    try:
-        from torch.distributed._local_tensor import maybe_run_for_local_tensor
-    except ImportError:  # pragma: no cover
+    if _local_mode() is None:
         return fn
-    return maybe_run_for_local_tensor(fn)
+    return _simulator().maybe_run_for_local_tensor(fn)
 
 
 # ---------------------------------------------------------------------------

@@ -81,9 +81,8 @@ def per_rank(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
 
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """``{global rank: plain tensor}`` of a LocalTensor (typed or not)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        locals_ = t._local_tensors  # type: ignore[attr-defined]
-    return {r: v.detach() for r, v in locals_.items()}
+    with torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
+        return {r: v.detach() for r, v in t._local_tensors.items()}  # type: ignore[attr-defined]
 
 
 def same_on_ranks(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
