@@ -162,37 +162,6 @@ def _all_to_all_spec(stacked: torch.Tensor, split_dim: int, concat_dim: int) -> 
     return torch.stack([torch.cat([pieces[r][j] for r in range(n)], concat_dim) for j in range(n)])
 
 
-@pytest.mark.parametrize("row,layout", CASES)
-def test_typed_forward_types_and_values(world, row, layout):
-    mesh = world[0]
-    with LocalTensorMode(mesh.size()), spmd.set_current_mesh(mesh), spmd.typecheck():
-        mesh, axis, src, dst, x = _setup(world, row, layout)
-        erased = _apply(row, layout, x, axis)
-        typed = _apply(row, layout, spmd.assert_type(x, _full(mesh, axis, src)), axis)
-        assert spmd.get_type(typed) == _full(mesh, axis, dst)
-        for r, v in rank_values(erased).items():
-            assert torch.equal(rank_values(typed)[r], v)
-
-
-@pytest.mark.parametrize("row,layout", CASES)
-def test_backward_adjoint_and_counts(world, row, layout):
-    mesh = world[0]
-    with LocalTensorMode(mesh.size()), spmd.set_current_mesh(mesh):
-        mesh, axis, src, dst, x = _setup(world, row, layout)
-        x.requires_grad_()
-        with CommCounter() as comms:
-            y = _apply(row, layout, x, axis)
-        fwd = comms.counts
-        g = random_value(mesh, _full(mesh, axis, spmd.backward_type(dst)), tuple(y.shape), seed=1)
-        with CommCounter() as comms:
-            (gx,) = torch.autograd.grad(y, x, g)
-        bwd = comms.counts
-        assert (fwd, bwd) == EXPECTED_COMMS[(row.op, row.src, row.dst)]
-        lhs = pair(y, g, mesh, _full(mesh, axis, dst))
-        rhs = pair(x, gx, mesh, _full(mesh, axis, src))
-        torch.testing.assert_close(lhs, rhs, rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("world", ["world2", "2x2-tp"], indirect=True)
 @pytest.mark.parametrize("row,layout", CASES)
 def test_double_backward_is_the_forward(world, row, layout):
