@@ -8,7 +8,7 @@ collectives whose backward is chosen by type.
     import spmd_types as spmd
 """
 
-from ._asserts import assert_type, attach_boundary, get_type, is_checking, typecheck, typed_boundary
+from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
 from ._errors import SpmdTypeError
 from ._mesh import set_current_mesh
 from ._rules_table import RuleKind
@@ -33,5 +33,5 @@ __all__ = [
     "R", "I", "V", "P", "S", "Replicate", "Invariant", "Varying", "Partial", "Shard",
     "SpmdType", "backward_type", "PartitionSpec", "SpmdTypeError", "LTensor",
     "set_current_mesh", "typecheck", "assert_type", "get_type", "typed_boundary",
-    "attach_boundary", "is_checking", "RuleKind",
+    "attach_boundary", "is_checking", "RuleKind", "get_partition_spec",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, Union
 
 import torch
 
@@ -17,38 +17,55 @@ from ._mesh import Axis, current_mesh, resolve_axis
 from ._state import STATE
 from ._tensor import make_typed, type_in_place
 from ._transitions import route_call
-from ._types import SpmdType, TypeMap, V, check_type_value
+from ._spec import Spec, axes_of, check_placement, normalize, spec_from_shards, to_partition_spec
+from ._types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value
 
-__all__ = ["typecheck", "assert_type", "get_type", "typed_boundary", "attach_boundary", "is_checking"]
+__all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking"]
 
 T = TypeVar("T")
 TypeSpec = Mapping[Axis, SpmdType]
 
 
-@contextlib.contextmanager
-def typecheck(*, strict: bool = False, local: bool | Mapping[str, bool] = True) -> Iterator[None]:
-    """Check every op on typed tensors inside the block (local SPMD).
+LocalSpec = Union[bool, Iterable[str], Mapping[str, bool]]
 
-    ``strict=True`` also rejects a plain (untyped) tensor meeting a typed one;
-    by default such a tensor is a constant that takes the other operand's type.
-    Checking is per thread.
+
+def _local_axes(local: LocalSpec) -> tuple[bool, frozenset]:
+    """(global mode on?, the axes that stay local) from typecheck's ``local=`` argument."""
+    if local is True:
+        return False, frozenset()
+    if local is False:
+        return True, frozenset()
+    if isinstance(local, Mapping):
+        return True, frozenset(a for a, is_local in local.items() if is_local)
+    if isinstance(local, str):
+        return True, frozenset([local])
+    return True, frozenset(local)
+
+
+@contextlib.contextmanager
+def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None]:
+    """Check every op on typed tensors inside the block.
+
+    ``local=True`` (the default) checks local SPMD on every axis; ``local=False``
+    checks global SPMD (partition specs, shard propagation) on every axis; a
+    collection of axis names (or ``{axis: is_local}``) keeps those axes local
+    and checks the others globally. ``strict=True`` also rejects a plain
+    (untyped) tensor meeting a typed one. Checking is per thread.
 
     Example::
 
         with spmd.set_current_mesh(mesh), spmd.typecheck():
             y = spmd.assert_type(x, {"tp": spmd.R}) * 2
+        with spmd.set_current_mesh(mesh), spmd.typecheck(local=["ep"]):
+            ...  # global SPMD on every axis but "ep"
     """
-    if local is not True:
-        raise NotImplementedError(
-            "global SPMD (typecheck(local=False) and per-axis local/global) is not built yet: "
-            "only local SPMD typechecking is available"
-        )
-    saved = (STATE.checking, STATE.strict)
+    saved = (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes)
     STATE.checking, STATE.strict = True, strict
+    STATE.global_mode, STATE.local_axes = _local_axes(local)
     try:
         yield
     finally:
-        STATE.checking, STATE.strict = saved
+        STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
 
 
 def is_checking() -> bool:
@@ -56,16 +73,54 @@ def is_checking() -> bool:
     return STATE.checking
 
 
-def _normalize(types: TypeSpec, what: str) -> TypeMap:
+def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
     if not isinstance(types, Mapping):
         raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
-    mesh = current_mesh()
-    if mesh is None:
+    if current_mesh() is None:
         raise RuntimeError(f"{what} needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`")
-    given = {resolve_axis(a): check_type_value(t, f"the type for axis {a!r}") for a, t in types.items()}
+    return {resolve_axis(a): check_type_value(t, f"the type for axis {a!r}") for a, t in types.items()}
+
+
+def _normalize(types: TypeSpec, what: str) -> TypeMap:
+    """The full type map: axes the dict leaves out are V (local SPMD's default)."""
+    given = _resolve_types(types, what)
+    mesh = current_mesh()
     full = {a: given.get(a, V) for a in mesh.axis_names}
     full.update(given)
     return TypeMap.of(full)
+
+
+def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[TypeMap, Spec | None]:
+    """Types and partition spec from a type dict (S(d) entries) and an optional partition spec.
+
+    Axes the dict leaves out are V if the spec places them; otherwise V on axes
+    checked locally and R on axes checked globally (an unmentioned axis is
+    replicated, as in JAX).
+    """
+    given = _resolve_types(types, "assert_type")
+    mesh = current_mesh()
+    ndim = t.dim()
+    spec = spec_from_shards(given, ndim, mesh.axis_names)
+    if partition_spec is not None:
+        user = normalize(partition_spec, ndim)
+        for entry in user:
+            for axis in entry:
+                resolve_axis(axis)
+        for d, (a, b) in enumerate(zip(spec, user)):
+            if a and b and a != b:
+                raise ValueError(f"dim {d}: the types say S({d}) on {a}, the partition spec says {b}")
+        spec = tuple(b or a for a, b in zip(spec, user))
+    placed = axes_of(spec)
+    global_axes = mesh.global_axes(STATE.local_axes) if STATE.global_mode else frozenset()
+    full: dict[str, SpmdType] = {}
+    for axis in mesh.axis_names:
+        t_axis = given.get(axis)
+        if t_axis is None:
+            t_axis = V if (axis in placed or axis not in global_axes) else R
+        elif axis in placed and not t_axis.is_varying:
+            raise ValueError(f"axis '{axis}' shards a dim in the partition spec but its type is {t_axis}, not V")
+        full[axis] = t_axis
+    return TypeMap.of(full), (spec if (placed or global_axes) else None)
 
 
 def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
@@ -86,28 +141,76 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     """
     if not STATE.checking:
         return t
-    if partition_spec is not None:
-        raise NotImplementedError(
-            "assert_type(..., partition_spec=...) needs global SPMD, which is not built yet"
-        )
-    want = _normalize(types, "assert_type")
     if isinstance(t, torch.nn.Module):
+        if partition_spec is not None:
+            raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
+        want = _normalize(types, "assert_type")
         for member in list(t.parameters()) + list(t.buffers()):
-            _type_or_check(member, want, in_place=True)
+            _type_or_check(member, want, None, in_place=True)
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")
-    return _type_or_check(t, want)  # type: ignore[return-value]
+    want, spec = _placed(t, types, partition_spec)
+    return _type_or_check(t, want, spec)  # type: ignore[return-value]
 
 
-def _type_or_check(t: torch.Tensor, want: TypeMap, in_place: bool = False) -> torch.Tensor:
+def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None, in_place: bool = False) -> torch.Tensor:
     have = getattr(t, "_spmd_types", None)
     if have is None:
+        if STATE.global_mode:
+            _check_layout(want, spec if spec is not None else tuple(() for _ in range(t.dim())))
         if in_place or isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return type_in_place(t, want)
-        return make_typed(t, want)
+            out = type_in_place(t, want)
+        else:
+            out = make_typed(t, want)
+        if spec is not None:
+            out._spmd_spec = spec
+        return out
     _check(have, want)
+    if STATE.global_mode and spec is not None:
+        _check_spec(t, spec)
     return t
+
+
+def _check_layout(types: TypeMap, spec: Spec) -> None:
+    mesh = current_mesh()
+    why = check_placement(types, spec, mesh.global_axes(STATE.local_axes))
+    if why:
+        raise op_error(
+            Rejection(f"Global SPMD: {why}.", [("types", types.format()), ("partition spec", str(spec))],
+                      ["spmd.assert_type(x, {...}, partition_spec=spmd.PartitionSpec(...))"]),
+            "assert_type", ("x", "types"))
+
+
+def _check_spec(t: torch.Tensor, want: Spec) -> None:
+    mesh = current_mesh()
+    global_axes = mesh.global_axes(STATE.local_axes)
+    have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
+    have_g = tuple(tuple(a for a in e if a in global_axes) for e in have)
+    want_g = tuple(tuple(a for a in e if a in global_axes) for e in want)
+    if have_g != want_g:
+        raise op_error(
+            Rejection(
+                "Type assertion failed: the tensor's partition spec differs from the asserted one.",
+                [("have", repr(to_partition_spec(have_g))), ("want", repr(to_partition_spec(want_g)))],
+                [f"spmd.redistribute(x, {to_partition_spec(have_g)!r}, {to_partition_spec(want_g)!r})"],
+            ),
+            "assert_type",
+            ("x", "types"),
+        )
+
+
+def get_partition_spec(t: Any) -> PartitionSpec | None:
+    """A typed tensor's partition spec (global SPMD), or None if it has none.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
+            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
+            spmd.get_partition_spec(x)   # PartitionSpec('tp', None)
+    """
+    spec = getattr(t, "_spmd_spec", None) if isinstance(t, torch.Tensor) else None
+    return to_partition_spec(spec) if spec is not None else None
 
 
 def _compatible(have: SpmdType | None, want: SpmdType) -> bool:

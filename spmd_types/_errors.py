@@ -112,7 +112,7 @@ def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...]) -> S
         fixes = []
         for fix in rejection.fixes:
             for label, expr in exprs.items():
-                fix = fix.replace(f"({label}, '", f"({expr}, '")
+                fix = fix.replace(f"({label}, ", f"({expr}, ")
             fixes.append(fix)
         seen = []
         for key, value in rejection.seen:

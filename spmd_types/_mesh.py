@@ -21,7 +21,7 @@ Axis = Union[str, dist.ProcessGroup, DeviceMesh]
 class Mesh:
     """Axis names in order, with the process group of each axis."""
 
-    __slots__ = ("axis_names", "groups", "device_mesh")
+    __slots__ = ("axis_names", "groups", "device_mesh", "_sizes", "_global_axes")
 
     def __init__(
         self,
@@ -32,6 +32,8 @@ class Mesh:
         self.axis_names = axis_names
         self.groups = groups
         self.device_mesh = device_mesh
+        self._sizes: dict[str, int] | None = None
+        self._global_axes: dict[frozenset, frozenset] = {}
 
     @classmethod
     def from_user(cls, mesh: DeviceMesh | Mapping[str, dist.ProcessGroup]) -> Mesh:
@@ -59,7 +61,20 @@ class Mesh:
         )
 
     def size(self, axis: str) -> int:
-        return dist.get_world_size(self.groups[axis])
+        return self.sizes()[axis]
+
+    def sizes(self) -> dict[str, int]:
+        """``{axis: number of ranks}``, computed once."""
+        if self._sizes is None or len(self._sizes) != len(self.groups):
+            self._sizes = {name: dist.get_world_size(g) for name, g in self.groups.items()}
+        return self._sizes
+
+    def global_axes(self, local_axes: frozenset) -> frozenset:
+        """The axes checked in global SPMD when ``local_axes`` stay local."""
+        found = self._global_axes.get(local_axes)
+        if found is None:
+            found = self._global_axes[local_axes] = frozenset(a for a in self.axis_names if a not in local_axes)
+        return found
 
     def __repr__(self) -> str:
         return f"Mesh({', '.join(self.axis_names)})"
@@ -148,6 +163,7 @@ def resolve_axis(axis: Axis) -> str:
 def _register_extra_axis(mesh: Mesh, name: str, group: dist.ProcessGroup) -> None:
     mesh.groups[name] = group
     mesh.axis_names = mesh.axis_names + (name,)
+    mesh._global_axes.clear()
 
 
 def axis_group(name: str) -> dist.ProcessGroup:

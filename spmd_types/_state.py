@@ -1,4 +1,4 @@
-"""Per-thread checking state: is typechecking on, and is it strict about plain tensors."""
+"""Per-thread checking state: is typechecking on, strict about plain tensors, global on which axes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ __all__ = ["STATE"]
 class _CheckState(threading.local):
     checking: bool = False
     strict: bool = False
+    # global SPMD: on, with these axes left in local SPMD
+    global_mode: bool = False
+    local_axes: frozenset = frozenset()
+    # axes an explicit-partial op (spmd.sum(..., out_partial_axes=)) is about to make P
+    out_partial: frozenset = frozenset()
 
 
 STATE = _CheckState()

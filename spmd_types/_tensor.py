@@ -18,6 +18,8 @@ from ._op_registry import ENTRIES, OpEntry, entry_for
 from ._rules import infer
 from ._rules_table import RuleKind
 from ._state import STATE
+from ._shard_rules import propagate
+from ._spec import format_shape, short_dtype
 from ._types import R, TypeMap
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
@@ -32,26 +34,25 @@ _UNCHECKED = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.M
 _BACKWARD = torch.Tensor.backward
 _PLAIN = object()
 _ZERO = object()
+_NUMBER = object()
+_NONE = object()
 _CACHES: tuple[dict, dict] = ({}, {})  # non-strict, strict
 _MISSING = object()
 
-_DTYPE_SHORT = {
-    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
-}
-
-
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
-    """``f32[4,16] {dp: V, tp: R}``."""
+    """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
     from ._mesh import current_mesh
 
-    dtype = _DTYPE_SHORT.get(t.dtype, str(t.dtype).replace("torch.", ""))
-    with _DisableTF():
-        shape = ",".join(str(s) for s in t.shape)
     mesh = current_mesh()
+    spec = getattr(t, "_spmd_spec", None)
+    with _DisableTF():
+        local = tuple(t.shape)
+    sizes = mesh.sizes() if (mesh is not None and spec is not None) else {}
+    if spec is not None and any(a not in sizes for e in spec for a in e):
+        spec = None
     order = mesh.axis_names if mesh is not None else ()
-    return f"{dtype}[{shape}] " + (types.format(order) if types is not None else "untyped")
+    shape = format_shape(local, spec, sizes)
+    return f"{short_dtype(t.dtype)}[{shape}] " + (types.format(order) if types is not None else "untyped")
 
 
 class LTensor(torch.Tensor):
@@ -117,7 +118,43 @@ def _typed_call(func, args, kwargs):
     out = _run(func, args, kwargs)
     if out_types is None:
         return out
+    if STATE.global_mode:
+        return _global_result(func, args, kwargs, out, out_types)
     return _wrap(out, out_types)
+
+
+def _global_result(func, args, kwargs, out, out_types: TypeMap):
+    """Propagate partition specs (global SPMD) and type the result."""
+    from ._mesh import current_mesh
+
+    mesh = current_mesh()
+    if mesh is None:
+        return _wrap(out, out_types)
+    spec = propagate(func, args, kwargs, out, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
+                     STATE.out_partial)
+    dest = out if isinstance(out, torch.Tensor) and type(out) in _TYPED_CLASSES else None
+    if dest is not None and spec is not None and getattr(dest, "_spmd_spec", spec) != spec:
+        raise SpmdTypeError(
+            Rejection(
+                "Global SPMD: an in-place op cannot change its tensor's layout.",
+                [("op", entry_for(func).display), ("before", str(dest._spmd_spec)), ("after", str(spec))],
+                ["the out-of-place form, assigning the result"],
+            ),
+            user_source_line(),
+        )
+    wrapped = _wrap(out, out_types)
+    if spec is not None:
+        _set_spec(wrapped, spec)
+    return wrapped
+
+
+def _set_spec(out: Any, spec) -> None:
+    if isinstance(out, torch.Tensor):
+        out._spmd_spec = spec
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                o._spmd_spec = spec
 
 
 # torch turns a TypeError raised inside a binary operator (``a + b``) into
@@ -208,7 +245,9 @@ def _marker(a: Any) -> Any:
     if tp in _TYPED_CLASSES:
         return a._spmd_types
     if tp is int or tp is float:
-        return _ZERO if a == 0 else None
+        return _ZERO if a == 0 else _NUMBER
+    if a is None:
+        return _NONE
     if isinstance(a, torch.Tensor):
         return getattr(a, "_spmd_types", _PLAIN)
     if tp is list or tp is tuple:
@@ -276,7 +315,7 @@ def _wrap(out: Any, types: TypeMap) -> Any:
 
 def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
     if func is _BACKWARD:
-        _check_backward_root(args)
+        _check_backward_root(args, kwargs)
         return None
     entry = entry_for(func)
     result = infer(entry, args, kwargs, STATE.strict)
@@ -323,10 +362,10 @@ def _dict_code(types: TypeMap) -> str:
     return "{" + ", ".join(f"'{a}': {t.code()}" for a, t in types.items) + "}"
 
 
-def _check_backward_root(args) -> None:
+def _check_backward_root(args, kwargs) -> None:
     root = args[0]
     types = getattr(root, "_spmd_types", None)
-    gradient = args[1] if len(args) > 1 else None
+    gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
     if types is None or gradient is not None:
         return
     for axis, t in types.items:

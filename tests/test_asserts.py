@@ -77,15 +77,6 @@ def test_get_type_of_untyped_is_none():
     assert spmd.get_type(torch.randn(2)) is None and spmd.get_type(3) is None
 
 
-def test_global_spmd_is_not_built_yet_and_says_so(mesh_dp_tp):
-    with pytest.raises(NotImplementedError, match="global SPMD"):
-        with spmd.typecheck(local=False):
-            pass
-    with spmd.set_current_mesh(mesh_dp_tp), spmd.typecheck():
-        with pytest.raises(NotImplementedError, match="partition_spec"):
-            spmd.assert_type(torch.randn(2), ACT, partition_spec=spmd.PartitionSpec(None))
-
-
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

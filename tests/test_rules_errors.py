@@ -270,7 +270,7 @@ Strict typechecking: Tensor.__add__ (+) got a plain (untyped) tensor as other; g
   op:      Tensor.__add__ (+)
   operand: other: plain tensor (untyped)
   at:      @AT@
-  fix:     spmd.assert_type(other, {'dp': spmd.R, 'tp': spmd.R})
+  fix:     spmd.assert_type(plain, {'dp': spmd.R, 'tp': spmd.R})
   note:    the typed operand input is {dp: R, tp: R}
 """, "r + plain")
 
