@@ -80,7 +80,7 @@ def main() -> None:
             print(f"   loss    {loss!r}")
         loss.backward()
         print(f"   grad of fc1  {model.fc1.grad!r}   (V on tp, pending sum on dp for DDP)")
-        print(f"   grad of bias {model.bias.grad!r}   (all-reduced on tp by the I -> R backward)\n")
+        print(f"   grad of bias {model.bias.grad!r}   (I on tp: already the same on every tp rank, no all-reduce needed)\n")
 
         print("3. Erased: the same code outside typecheck() runs as plain PyTorch.\n")
         plain = TensorParallelMLP()

@@ -9,7 +9,10 @@ collectives whose backward is chosen by type.
 """
 
 from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
+from ._collectives import all_gather, all_reduce, all_to_all, reduce_scatter, redistribute
 from ._errors import SpmdTypeError
+from ._explicit import einsum, linear, matmul, sum
+from ._local import convert, reinterpret
 from ._mesh import set_current_mesh
 from ._rules_table import RuleKind
 from ._tensor import LTensor
@@ -34,4 +37,6 @@ __all__ = [
     "SpmdType", "backward_type", "PartitionSpec", "SpmdTypeError", "LTensor",
     "set_current_mesh", "typecheck", "assert_type", "get_type", "typed_boundary",
     "attach_boundary", "is_checking", "RuleKind", "get_partition_spec",
+    "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
+    "sum", "linear", "matmul", "einsum",
 ]
