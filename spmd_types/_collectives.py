@@ -16,8 +16,8 @@ import torch
 
 from . import _comm_impl as impl
 from ._comm_call import Call, begin, check_sizes, dual, finish, norm_dim, register, run
-from ._transitions import ROUTE
 from ._local import convert
+from ._transitions import ROUTE
 from ._types import P, R, SpmdType, V, check_type_value
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
