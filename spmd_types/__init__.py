@@ -13,6 +13,7 @@ from ._collectives import all_gather, all_reduce, all_to_all, reduce_scatter, re
 from ._errors import SpmdTypeError
 from ._explicit import einsum, linear, matmul, sum
 from ._local import convert, reinterpret
+from ._local_map import local_map
 from ._mesh import set_current_mesh
 from ._rules_table import RuleKind
 from ._tensor import LTensor
@@ -38,5 +39,5 @@ __all__ = [
     "set_current_mesh", "typecheck", "assert_type", "get_type", "typed_boundary",
     "attach_boundary", "is_checking", "RuleKind", "get_partition_spec",
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
-    "sum", "linear", "matmul", "einsum",
+    "sum", "linear", "matmul", "einsum", "local_map",
 ]

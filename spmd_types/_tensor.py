@@ -26,6 +26,7 @@ __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_t
 
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+_tf_enabled = torch._C._is_torch_function_enabled
 
 # Metadata queries, and the optimizers' multi-tensor kernels: they update each
 # parameter in place with its own gradient and never change a type (see docs/index.md).
@@ -174,7 +175,8 @@ def _make_operator(name: str):
     base = getattr(torch.Tensor, name)
 
     def operator(self, other):
-        if not STATE.checking:
+        # Inside an op being run (subclass dispatch off), behave as torch's own operator.
+        if not STATE.checking or not _tf_enabled():
             with _DisableTF():
                 return base(self, other)
         return _typed_call(base, (self, other), {})

@@ -1,0 +1,107 @@
+"""local_map: run a function in local SPMD (partition specs forgotten) inside a global SPMD program.
+
+Types are checked on entry (against ``in_types``) and on exit (against
+``out_types``); the outputs then carry the declared global types, partition
+specs included. Gradients follow by duality: an input declared R gets a P
+gradient, and so on.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from ._asserts import _compatible, _placed, assert_type
+from ._errors import Rejection, op_error
+from ._mesh import Axis, require_mesh, resolve_axis
+from ._state import STATE
+from ._tensor import make_typed
+from ._transitions import route_call
+from ._types import SpmdType, TypeMap
+
+__all__ = ["local_map"]
+
+TypeDict = Mapping[Axis, SpmdType]
+
+
+def local_map(
+    fn: Callable[..., Any] | None = None,
+    *,
+    in_types: Sequence[TypeDict | None],
+    out_types: TypeDict | Sequence[TypeDict | None],
+    axes: Iterable[Axis] | None = None,
+) -> Any:
+    """Run ``fn`` in local SPMD on ``axes`` (default: every axis), checking types at its edges.
+
+    ``in_types`` has one type dict per positional argument (``None`` skips one;
+    ``S(d)`` says how a V input reassembles); ``out_types`` is one dict, or one
+    per output. Outside :func:`spmd_types.typecheck` it is just ``fn``.
+
+    Example::
+
+        @spmd.local_map(in_types=[{"tp": spmd.S(1)}, {"tp": spmd.S(1)}], out_types={"tp": spmd.P})
+        def row_parallel(h, w):
+            return spmd.reinterpret(F.linear(h, w), "tp", src=spmd.V, dst=spmd.P)
+    """
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not STATE.checking:
+                return f(*args, **kwargs)
+            mesh = require_mesh("local_map")
+            offset = len(args) - len(in_types)
+            if offset < 0:
+                raise TypeError(f"local_map({f.__qualname__}): {len(in_types)} in_types for {len(args)} arguments")
+            args = tuple(args[:offset]) + tuple(
+                a if spec is None else assert_type(a, spec) for a, spec in zip(args[offset:], in_types)
+            )
+            inner = frozenset(mesh.axis_names) if axes is None else frozenset(resolve_axis(a) for a in axes)
+            saved = (STATE.global_mode, STATE.local_axes)
+            STATE.local_axes = saved[1] | inner
+            STATE.global_mode = saved[0] and bool(set(mesh.axis_names) - STATE.local_axes)
+            try:
+                out = f(*args, **kwargs)
+            finally:
+                STATE.global_mode, STATE.local_axes = saved
+            return _exit(f.__qualname__, out, out_types)
+
+        return wrapper
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def _exit(name: str, out: Any, out_types: TypeDict | Sequence[TypeDict | None]) -> Any:
+    if isinstance(out_types, Mapping):
+        return _retype(name, 0, out, out_types)
+    if not isinstance(out, (tuple, list)) or len(out) != len(out_types):
+        raise TypeError(f"local_map({name}): {len(out_types)} out_types for the {type(out).__name__} it returned")
+    return type(out)(o if t is None else _retype(name, i, o, t) for i, (o, t) in enumerate(zip(out, out_types)))
+
+
+def _retype(name: str, index: int, out: Any, declared: TypeDict) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"local_map({name}): output {index} is a {type(out).__name__}, not a tensor")
+    want, spec = _placed(out, declared, None)
+    have: TypeMap | None = getattr(out, "_spmd_types", None)
+    if have is not None:
+        for axis, w in want.items:
+            h = have.get(axis)
+            if not _compatible(h, w):
+                fix = route_call(f"output{index}", axis, h, w) if h is not None else None
+                raise op_error(
+                    Rejection(
+                        f"local_map: output {index} of {name} is {h} on axis '{axis}', and out_types declares {w}.",
+                        [("output", f"{index}: {have.format()}"), ("declared", want.format()),
+                         ("axis", f"'{axis}': {h} is not {w}")],
+                        [fix + " before returning"] if fix else [],
+                    ),
+                    "local_map",
+                    (),
+                )
+    typed = make_typed(out, want)
+    if spec is not None:
+        typed._spmd_spec = spec
+    return typed
