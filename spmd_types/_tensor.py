@@ -31,7 +31,12 @@ _tf_enabled = torch._C._is_torch_function_enabled
 # Metadata queries, and the optimizers' multi-tensor kernels: they update each
 # parameter in place with its own gradient and never change a type (see docs/index.md).
 _OPTIMIZER_KERNELS = {getattr(torch, n) for n in dir(torch) if n.startswith(("_foreach_", "_fused_"))}
-_UNCHECKED = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA) | _OPTIMIZER_KERNELS
+# torch.autograd.grad computes gradients, whose types follow by duality: nothing to check.
+_UNCHECKED = (
+    frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA)
+    | _OPTIMIZER_KERNELS
+    | {torch.autograd.grad, torch.autograd.backward}
+)
 _BACKWARD = torch.Tensor.backward
 _PLAIN = object()
 _ZERO = object()

@@ -163,3 +163,11 @@ def test_two_threads_typecheck_different_meshes(mesh_dp_tp):
     t1.join(), t2.join()
     assert results == {"one": {"dp": spmd.V, "tp": spmd.R}, "two": {"a": spmd.I, "b": spmd.V}}
     assert not spmd.is_checking()
+
+
+def test_autograd_grad_on_typed_tensors_inside_typecheck(typed):
+    w = spmd.assert_type(torch.randn(3, requires_grad=True), {"tp": spmd.I})
+    x = spmd.assert_type(torch.randn(3), {"tp": spmd.V})
+    y = (spmd.convert(w, "tp", src=spmd.I, dst=spmd.R) * x).sum()
+    (g,) = torch.autograd.grad(y, w, torch.ones(()))
+    assert g.shape == (3,)
