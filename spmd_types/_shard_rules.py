@@ -185,9 +185,43 @@ def _spec_of(t: torch.Tensor, label: str, global_axes: frozenset[str]) -> Spec:
     return tuple(tuple(a for a in e if a in global_axes) for e in spec)
 
 
+_SPEC_CACHE: dict[Any, Spec | None] = {}
+_MISSING = object()
+
+
+def _key_part(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (getattr(v, "_spmd_spec", None), tuple(v.shape), getattr(v, "_spmd_types", None))
+    if isinstance(v, (list, tuple)):
+        return tuple([_key_part(x) for x in v])
+    if isinstance(v, slice):
+        return ("slice", _key_part(v.start), _key_part(v.stop), _key_part(v.step))
+    return v
+
+
 def propagate(func, args, kwargs, out, out_types: TypeMap | None, global_axes: frozenset[str],
               sizes: dict[str, int], partial: frozenset[str]) -> Spec | None:
-    """The partition spec of ``func``'s result on ``global_axes``, or raise naming the comm needed."""
+    """The partition spec of ``func``'s result on ``global_axes``, or raise naming the comm needed.
+
+    Call with torch-function subclass dispatch off (shapes are read directly).
+    Results are cached by op, operand specs, types and shapes, and the other
+    arguments; a call whose arguments are not hashable is not cached.
+    """
+    key: Any = (func, _key_part(args), tuple([(k, _key_part(v)) for k, v in kwargs.items()]) if kwargs else (),
+                global_axes, partial)
+    try:
+        found = _SPEC_CACHE.get(key, _MISSING)
+    except TypeError:
+        key, found = None, _MISSING
+    if found is not _MISSING:
+        return found
+    spec = _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial)
+    if key is not None:
+        _SPEC_CACHE[key] = spec
+    return spec
+
+
+def _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial) -> Spec | None:
     if not isinstance(out, torch.Tensor) and not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)):
         return None
     entry = entry_for(func)

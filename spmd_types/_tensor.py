@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._errors import Rejection, SpmdTypeError, op_error, user_source_line
+from ._mesh import current_mesh
 from ._op_registry import ENTRIES, OpEntry, entry_for
 from ._rules import infer
 from ._rules_table import RuleKind
@@ -47,8 +48,6 @@ _MISSING = object()
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
     """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
-    from ._mesh import current_mesh
-
     mesh = current_mesh()
     spec = getattr(t, "_spmd_spec", None)
     with _DisableTF():
@@ -131,13 +130,12 @@ def _typed_call(func, args, kwargs):
 
 def _global_result(func, args, kwargs, out, out_types: TypeMap):
     """Propagate partition specs (global SPMD) and type the result."""
-    from ._mesh import current_mesh
-
     mesh = current_mesh()
     if mesh is None:
         return _wrap(out, out_types)
-    spec = propagate(func, args, kwargs, out, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
-                     STATE.out_partial)
+    with _DisableTF():
+        spec = propagate(func, args, kwargs, out, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
+                         STATE.out_partial)
     dest = out if isinstance(out, torch.Tensor) and type(out) in _TYPED_CLASSES else None
     if dest is not None and spec is not None and getattr(dest, "_spmd_spec", spec) != spec:
         raise SpmdTypeError(
