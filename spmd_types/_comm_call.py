@@ -22,9 +22,9 @@ from ._comm_impl import AxisComm
 from ._errors import Rejection, SpmdTypeError, user_source_line
 from ._mesh import current_mesh, resolve_axis
 from ._state import STATE
-from ._tensor import _run, _wrap, format_tensor_type
+from ._tensor import _DisableTF, _run, _wrap, format_tensor_type
 from ._transitions import allowed, backward_of, find, route_call
-from ._types import P, SpmdType, TypeMap, V, backward_type, check_type_value
+from ._types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value
 
 __all__ = ["Call", "dual", "run", "register", "begin", "finish", "resolve_comm", "norm_dim", "Begun"]
 
@@ -255,4 +255,61 @@ def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:
         return out
     for name in call.comm.names:
         types = types.replace(name, begun.dst)
-    return _wrap(out, types)
+    spec = _global_spec(begun, x, out) if STATE.global_mode else None
+    out = _wrap(out, types)
+    if spec is not None:
+        out._spmd_spec = spec
+    return out
+
+
+def _global_spec(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> tuple | None:
+    """The result's partition spec in global SPMD: the axes leave ``src``'s dim and join ``dst``'s.
+
+    Only the Shard forms have a global meaning (seed 003); V (stack) forms are
+    for local SPMD, e.g. inside ``spmd.local_map``. On a dim sharded by several
+    axes, only the minor-most ones can be gathered.
+    """
+    mesh = current_mesh()
+    global_axes = mesh.global_axes(STATE.local_axes) if mesh is not None else frozenset()
+    names = [n for n in begun.comm.names if n in global_axes]
+    with _DisableTF():
+        in_ndim, out_ndim = x.dim(), out.dim()
+    spec = getattr(x, "_spmd_spec", None) or tuple(() for _ in range(in_ndim))
+    if not names:
+        return spec if in_ndim == out_ndim else None
+    for t, what in ((begun.src, "src"), (begun.dst, "dst")):
+        if t is V:
+            raise SpmdTypeError(
+                Rejection(
+                    f"{begun.opname} with {what}=V has no global meaning: say which dim with S(d), or run it "
+                    "in local SPMD (spmd.local_map).",
+                    [("op", _call_text(begun.opname, begun.comm, begun.src, begun.dst)),
+                     ("global axes", ", ".join(names))],
+                    [_call_text(begun.opname, begun.comm, S(0) if what == "src" else begun.src,
+                                S(0) if what == "dst" else begun.dst)],
+                ),
+                user_source_line(),
+            )
+    entries = [list(e) for e in spec]
+    src_dim = getattr(begun.src, "dim", None)
+    if src_dim is not None:
+        d = src_dim % in_ndim
+        if entries[d][-len(names):] != names:
+            raise SpmdTypeError(
+                Rejection(
+                    f"{begun.opname} can only gather the minor-most mesh axes of a dim: dim {d} is sharded on "
+                    f"{tuple(entries[d])}, and this gathers {tuple(names)}.",
+                    [("op", _call_text(begun.opname, begun.comm, begun.src, begun.dst))],
+                    ["spmd.redistribute(x, src_spec, dst_spec) plans the gathers in a valid order"],
+                ),
+                user_source_line(),
+            )
+        entries[d] = entries[d][: len(entries[d]) - len(names)]
+    else:
+        entries = [[a for a in e if a not in names] for e in entries]
+    if out_ndim != in_ndim:
+        return None
+    dst_dim = getattr(begun.dst, "dim", None)
+    if dst_dim is not None:
+        entries[dst_dim % out_ndim].extend(names)
+    return tuple(tuple(e) for e in entries)
