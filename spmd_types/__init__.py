@@ -9,7 +9,7 @@ collectives whose backward is chosen by type.
 """
 
 from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
-from ._collectives import all_gather, all_reduce, all_to_all, reduce_scatter, redistribute
+from ._collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
 from ._errors import SpmdTypeError
 from ._explicit import einsum, linear, matmul, sum
 from ._local import convert, reinterpret

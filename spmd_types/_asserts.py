@@ -14,10 +14,10 @@ import torch
 
 from ._errors import Rejection, op_error
 from ._mesh import Axis, current_mesh, resolve_axis
+from ._spec import Spec, axes_of, check_placement, normalize, spec_from_shards, to_partition_spec
 from ._state import STATE
 from ._tensor import make_typed, type_in_place
 from ._transitions import route_call
-from ._spec import Spec, axes_of, check_placement, normalize, spec_from_shards, to_partition_spec
 from ._types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking"]

@@ -18,7 +18,7 @@ import torch
 from ._errors import Rejection, op_error
 from ._op_registry import _resolve, entry_for
 from ._shard_contract import attention_rule, cross_entropy_rule, einsum_rule, embedding_rule, linear_rule, matmul_rule
-from ._shard_props import Ctx, Operand, along_dim, elementwise, normalize_last, reduction, same
+from ._shard_props import Ctx, Operand, along_dim, normalize_last, reduction, same
 from ._shard_shapes import (
     concat_rule,
     expand_rule,

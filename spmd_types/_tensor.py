@@ -18,9 +18,9 @@ from ._mesh import current_mesh
 from ._op_registry import ENTRIES, OpEntry, entry_for
 from ._rules import infer
 from ._rules_table import RuleKind
-from ._state import STATE
 from ._shard_rules import propagate
 from ._spec import format_shape, short_dtype
+from ._state import STATE
 from ._types import R, TypeMap
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
