@@ -108,12 +108,15 @@ def _unknown_display(func: Any) -> str:
 
 def entry_for(func: Any) -> OpEntry:
     """The table entry for ``func``; an op not in the table gets a non-linear entry."""
-    entry = ENTRIES.get(func)
+    entry = ENTRIES.get(func) or _UNKNOWN_ENTRIES.get(func)
     if entry is None:
         name = getattr(func, "__name__", "")
         entry = OpEntry(func, _unknown_display(func), _UNKNOWN_ROW, _is_inplace(name), known=False)
         try:
-            ENTRIES[func] = entry
+            _UNKNOWN_ENTRIES[func] = entry  # kept apart: ENTRIES is the table and nothing else
         except TypeError:  # unhashable callables are rare; just do not cache them
             pass
     return entry
+
+
+_UNKNOWN_ENTRIES: dict[Any, OpEntry] = {}

@@ -34,3 +34,7 @@ def mesh_dp_tp():
 @pytest.fixture
 def mesh_tp4():
     return fake_mesh((4,), ("tp",))
+
+
+# The rules tests' fixtures (typed operands on a (dp=2, tp=4) mesh; a fresh result cache per test).
+from rules_support import _fresh_cache, mesh, x  # noqa: E402, F401
