@@ -309,8 +309,6 @@ def _wrap(out: Any, types: TypeMap) -> Any:
         return out
     if isinstance(out, tuple):  # torch.return_types structseqs
         return tp([_wrap(o, types) for o in out])
-    if tp.__name__ in ("list_iterator", "tuple_iterator"):
-        return iter([_wrap(o, types) for o in out])
     return out
 
 
@@ -336,7 +334,7 @@ def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
     if not isinstance(dest, torch.Tensor):
         return  # a list destination (foreach kernels) or a scalar
     dest_types = getattr(dest, "_spmd_types", None)
-    what = "its out= tensor" if entry.row.kind is not None and not entry.inplace else "its first operand"
+    what = "its first operand" if entry.inplace else "its out= tensor"
     if dest_types is None:
         raise SpmdTypeError(
             Rejection(
