@@ -15,6 +15,7 @@ from ._explicit import einsum, linear, matmul, sum
 from ._local import convert, reinterpret
 from ._local_map import local_map
 from ._mesh import set_current_mesh
+from ._redistribute_spec import plan_redistribute
 from ._rules_table import RuleKind
 from ._tensor import LTensor
 from ._types import (
@@ -39,5 +40,5 @@ __all__ = [
     "set_current_mesh", "typecheck", "assert_type", "get_type", "typed_boundary",
     "attach_boundary", "is_checking", "RuleKind", "get_partition_spec",
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
-    "sum", "linear", "matmul", "einsum", "local_map",
+    "sum", "linear", "matmul", "einsum", "local_map", "plan_redistribute",
 ]

@@ -14,7 +14,7 @@ import torch
 
 from ._errors import Rejection, op_error
 from ._mesh import Axis, current_mesh, resolve_axis
-from ._spec import Spec, axes_of, check_placement, normalize, spec_from_shards, to_partition_spec
+from ._spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from ._state import STATE
 from ._tensor import make_typed, type_in_place
 from ._transitions import route_call
@@ -103,6 +103,7 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     spec = spec_from_shards(given, ndim, mesh.axis_names)
     if partition_spec is not None:
         user = normalize(partition_spec, ndim)
+        check_unique(user, partition_spec)
         for entry in user:
             for axis in entry:
                 resolve_axis(axis)

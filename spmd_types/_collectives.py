@@ -17,6 +17,7 @@ import torch
 from . import _comm_impl as impl
 from ._comm_call import Call, begin, check_sizes, dual, finish, norm_dim, register, run
 from ._local import convert
+from ._redistribute_spec import redistribute_spec
 from ._transitions import ROUTE
 from ._types import P, R, SpmdType, V, check_type_value
 
@@ -235,19 +236,30 @@ def _base(t: SpmdType) -> SpmdType:
 
 
 def redistribute(
-    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None
+    x: torch.Tensor, axis: Any, dst_spec: Any = None, *, src: SpmdType | None = None, dst: SpmdType | None = None,
+    sizes: Sequence[int] | None = None, src_partial: Sequence[str] = (), dst_partial: Sequence[str] = (),
 ) -> torch.Tensor:
-    """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` keeping its meaning.
+    """Change ``x``'s type keeping its meaning: on one axis, or from one partition spec to another.
 
-    Runs the op ``_transitions.ROUTE`` names for the pair: a convert (R/I -> V,
-    P; V -> P), an all-gather (V -> R, I), an all-reduce (P -> R, I), a
-    reduce-scatter (P -> V) or an all-to-all (S(i) -> S(j)). Its backward is
-    that op's backward. ``src == dst`` returns ``x`` unchanged.
+    Per axis, ``redistribute(x, axis, src=, dst=)`` runs the op
+    ``_transitions.ROUTE`` names for the pair: a convert (R/I -> V, P; V -> P),
+    an all-gather (V -> R, I), an all-reduce (P -> R, I), a reduce-scatter
+    (P -> V) or an all-to-all (S(i) -> S(j)). Its backward is that op's
+    backward. ``src == dst`` returns ``x`` unchanged.
+
+    With partition specs, ``redistribute(x, src_spec, dst_spec)`` plans the
+    collectives (``spmd.plan_redistribute`` shows the plan), fusing several
+    axes into one collective where the mesh allows, and runs them.
 
     Example::
 
         y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
+        z = spmd.redistribute(x, spmd.PartitionSpec(("dp", "tp")), spmd.PartitionSpec(("tp", "dp")))
     """
+    if dst_spec is not None:
+        return redistribute_spec(x, axis, dst_spec, src_partial=src_partial, dst_partial=dst_partial)
+    if src is None or dst is None:
+        raise TypeError("spmd.redistribute takes (x, axis, src=, dst=) or (x, src_spec, dst_spec)")
     src = check_type_value(src, "spmd.redistribute: src")
     dst = check_type_value(dst, "spmd.redistribute: dst")
     if src is dst:

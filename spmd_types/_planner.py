@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
+from ._spec import normalize
+
 __all__ = ["Step", "Plan", "plan_redistribute"]
 
 Layout = tuple[tuple[str, ...], ...]
@@ -124,18 +126,13 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
 
 
 def _normalize(spec: Sequence[Any], ndim: int, what: str, sizes: Mapping[str, int]) -> Layout:
-    if len(spec) > ndim:
-        raise ValueError(f"{what} {tuple(spec)!r} has {len(spec)} entries for a {ndim}-d tensor")
-    out: list[tuple[str, ...]] = []
-    for entry in spec:
-        out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
-    out.extend(() for _ in range(ndim - len(out)))
+    out = normalize(spec, ndim, what)
     for d, entry in enumerate(out):
         for axis in entry:
             if axis not in sizes:
                 raise ValueError(f"{what} names mesh axis {axis!r} (dim {d}), which is not in the mesh; "
                                  f"mesh axes: {tuple(sizes)}")
-    return tuple(out)
+    return out
 
 
 def _check_unique(layout: Layout, partial: tuple[str, ...], side: str, sizes: Mapping[str, int]) -> frozenset:

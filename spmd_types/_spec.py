@@ -29,10 +29,10 @@ def short_dtype(dtype: torch.dtype) -> str:
     return DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def normalize(ps: Sequence[str | tuple[str, ...] | None], ndim: int) -> Spec:
+def normalize(ps: Sequence[str | tuple[str, ...] | None], ndim: int, what: str = "partition spec") -> Spec:
     """A user PartitionSpec as a Spec of ``ndim`` entries (missing trailing dims are unsharded)."""
     if len(ps) > ndim:
-        raise ValueError(f"partition spec {tuple(ps)!r} has {len(ps)} entries for a {ndim}-d tensor")
+        raise ValueError(f"{what} {tuple(ps)!r} has {len(ps)} entries for a {ndim}-d tensor")
     out: list[tuple[str, ...]] = []
     for entry in ps:
         if entry is None:
@@ -42,13 +42,17 @@ def normalize(ps: Sequence[str | tuple[str, ...] | None], ndim: int) -> Spec:
         else:
             out.append(tuple(entry))
     out.extend(() for _ in range(ndim - len(out)))
+    return tuple(out)
+
+
+def check_unique(spec: Spec, shown: Sequence[object]) -> None:
+    """A mesh axis shards at most one dim, once."""
     seen: set[str] = set()
-    for entry in out:
+    for entry in spec:
         for axis in entry:
             if axis in seen:
-                raise ValueError(f"mesh axis {axis!r} appears twice in partition spec {tuple(ps)!r}")
+                raise ValueError(f"mesh axis {axis!r} appears twice in partition spec {tuple(shown)!r}")
             seen.add(axis)
-    return tuple(out)
 
 
 def to_partition_spec(spec: Spec) -> PartitionSpec:
