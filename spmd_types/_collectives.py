@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _comm_impl as impl
-from ._comm_call import Call, begin, check_sizes, dual, finish, norm_dim, register, run
+from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
 from ._local import convert
 from ._redistribute_spec import redistribute_spec
 from ._transitions import ROUTE
@@ -50,23 +50,6 @@ def _check_split(
         )
 
 
-def _function(name: str, kernel):
-    """The autograd Function of an op: forward is ``kernel``, backward is the op's dual from the table."""
-
-    class _Op(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
-            ctx.call = call
-            return kernel(x, call)
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return run(dual(ctx.call), g), None
-
-    _Op.__name__ = _Op.__qualname__ = name
-    return _Op
-
-
 # ---------------------------------------------------------------------------
 # all_reduce: P -> R (backward all_reduce), P -> I (backward reinterpret(I, R): no comm)
 
@@ -95,7 +78,7 @@ def _all_reduce_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
     return impl.all_reduce(x, call.comm, call.reduce)
 
 
-register("all_reduce", _function("_AllReduce", _all_reduce_kernel), _all_reduce_kernel)
+register("all_reduce", _all_reduce_kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -134,7 +117,7 @@ def _all_gather_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
     return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
 
 
-register("all_gather", _function("_AllGather", _all_gather_kernel), _all_gather_kernel)
+register("all_gather", _all_gather_kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -181,7 +164,7 @@ def _reduce_scatter_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
     return impl.reduce_scatter(x, call.comm, call.dim, call.reduce, call.sizes)
 
 
-register("reduce_scatter", _function("_ReduceScatter", _reduce_scatter_kernel), _reduce_scatter_kernel)
+register("reduce_scatter", _reduce_scatter_kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -224,7 +207,7 @@ def _all_to_all_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
     return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
 
 
-register("all_to_all", _function("_AllToAll", _all_to_all_kernel), _all_to_all_kernel)
+register("all_to_all", _all_to_all_kernel)
 
 
 # ---------------------------------------------------------------------------

@@ -59,8 +59,21 @@ _KERNELS: dict[str, Callable[[torch.Tensor, Call], torch.Tensor]] = {}
 _PRE_REDUCE = ("all_reduce", "reduce_scatter")
 
 
-def register(op: str, function: type[torch.autograd.Function], kernel: Callable[[torch.Tensor, Call], torch.Tensor]) -> None:
-    _FUNCTIONS[op] = function
+def register(op: str, kernel: Callable[[torch.Tensor, Call], torch.Tensor]) -> None:
+    """Make ``op``'s autograd Function: forward is ``kernel``, backward is the op's dual from the table."""
+
+    class _Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+            ctx.call = call
+            return kernel(x, call)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return run(dual(ctx.call), g), None
+
+    _Op.__name__ = _Op.__qualname__ = "".join(part.title() for part in op.split("_"))
+    _FUNCTIONS[op] = _Op
     _KERNELS[op] = kernel
 
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _comm_impl as impl
-from ._comm_call import Call, begin, check_sizes, dual, finish, norm_dim, register, run
+from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
 from ._types import I, P, R, SpmdType, V
 
 __all__ = ["reinterpret", "convert"]
@@ -49,18 +49,7 @@ def _reinterpret_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
     return impl.scaled(x, call.reduce, call.comm.size)
 
 
-class _Reinterpret(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
-        ctx.call = call
-        return _reinterpret_kernel(x, call)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return run(dual(ctx.call), g), None
-
-
-register("reinterpret", _Reinterpret, _reinterpret_kernel)
+register("reinterpret", _reinterpret_kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -142,15 +131,4 @@ def _convert_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
     return out if call.reduce == "sum" else impl.scaled(out, call.reduce, comm.size)
 
 
-class _Convert(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
-        ctx.call = call
-        return _convert_kernel(x, call)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return run(dual(ctx.call), g), None
-
-
-register("convert", _Convert, _convert_kernel)
+register("convert", _convert_kernel)
