@@ -50,7 +50,7 @@ class Row:
     linear_if_zero: str | None = None
 
 
-def _fam(*bases: str, inplace: bool = True, torch_ns: bool = True, method: bool = True) -> tuple[str, ...]:
+def op_variants(*bases: str, inplace: bool = True, torch_ns: bool = True, method: bool = True) -> tuple[str, ...]:
     """Spell the usual variants of each op: torch.X, Tensor.X and Tensor.X_.
 
     Generated names start with ``?``: a variant torch does not have is skipped.
@@ -67,6 +67,7 @@ def _fam(*bases: str, inplace: bool = True, torch_ns: bool = True, method: bool 
     return tuple(out)
 
 
+_fam = op_variants
 NL = RuleKind.NONLINEAR
 LIN = RuleKind.LINEAR
 ML = RuleKind.MULTILINEAR

@@ -17,6 +17,7 @@ import torch
 
 from ._errors import Rejection, op_error
 from ._op_registry import _resolve, entry_for
+from ._rules_table import op_variants
 from ._shard_contract import attention_rule, cross_entropy_rule, einsum_rule, embedding_rule, linear_rule, matmul_rule
 from ._shard_props import Ctx, Operand, along_dim, normalize_last, reduction, same
 from ._shard_shapes import (
@@ -65,8 +66,8 @@ class ShardRow:
     reason: str
 
 
-def _v(*bases: str) -> tuple[str, ...]:
-    return tuple(f"?{ns}.{b}{suffix}" for b in bases for ns in ("torch", "Tensor") for suffix in ("", "_"))
+# The usual spellings of each op: torch.X, Tensor.X and Tensor.X_ (shared with the rules table).
+_v = op_variants
 
 
 _POINTWISE = _v(
