@@ -1,17 +1,21 @@
 """Regenerate the docs pages that are rendered from the code's tables.
 
-Run: python docs/generate.py            (writes docs/rules.md)
+Run: python docs/generate.py            (writes docs/rules.md and docs/collectives.md)
      python docs/generate.py --check    (exit 1 if a page is out of date)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import pathlib
 import sys
 
+import spmd_types as spmd
 from spmd_types._op_registry import _resolve
 from spmd_types._rules_table import ROWS, RuleKind
+from spmd_types._transitions import ROUTE, TRANSITIONS, find
+from spmd_types._types import I, P, R, V
 
 HERE = pathlib.Path(__file__).parent
 
@@ -67,7 +71,198 @@ def rules_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-PAGES = {"rules.md": rules_page}
+# ---------------------------------------------------------------------------
+# docs/collectives.md: one section per type-changing op. The tables come from
+# _transitions (TRANSITIONS, ROUTE) and the signatures from the functions, so the
+# page goes stale (and --check fails) when either changes; the diagrams are
+# hand-written below, and a TRANSITIONS row without one stops the renderer.
+
+_OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute")
+
+_INTRO = {
+    "reinterpret": "Changes the type without touching the local data and without communication. The meaning may "
+    "change: `reinterpret(R, P)` of `[3.]` on 4 ranks means `[12.]`. JAX calls these casts `pcast` / `pvary`.",
+    "convert": "Changes the type keeping the meaning, with local work only (keep a slice, zero-fill); never "
+    "communicates forward. V is read as the per-rank values stacked on dim 0; `S(d)` as shards of dim d.",
+    "all_reduce": "Finishes a pending sum. `dst` picks the backward: R keeps the gradient pending (all-reduce), "
+    "I says it is already summed (nothing). `src=V` means `reinterpret(V, P)` first; `op=\"avg\"` averages.",
+    "all_gather": "Gathers every rank's value: stacked on a new dim 0 (`src=V`) or concatenated on d (`src=S(d)`). "
+    "`dst=R` backward is a reduce-scatter; `dst=I` backward is a local slice.",
+    "reduce_scatter": "Finishes a pending sum and keeps this rank's part: index `rank` of dim 0 (`dst=V`) or its "
+    "shard of dim d (`dst=S(d)`). `src=V` means `reinterpret(V, P)` first. Backward is an all-gather.",
+    "all_to_all": "Splits on one dim, sends piece j to rank j, concatenates on another: `S(i) -> S(j)` re-shards. "
+    "Backward is the all-to-all back.",
+    "redistribute": "Keeps the meaning and communicates as needed: runs the one op that `_transitions.ROUTE` names "
+    "for the (src, dst) pair, so its backward is that op's backward. V -> V must be spelled `S(i) -> S(j)` (which "
+    "dims to split and concatenate). It also takes partition specs (see [redistribute.md](redistribute.md)).",
+}
+
+# (op, src, dst) -> (forward input, forward output, backward grad_input, backward grad_output), one entry per
+# rank (three ranks) or one entry for a value that is the same on every rank. A leading + marks a pending sum.
+_DIAGRAMS: dict[tuple[str, object, object], tuple[list[str], list[str], list[str], list[str]]] = {
+    ("reinterpret", R, I): (["A"], ["A"], ["+g", "+0", "+0"], ["g"]),
+    ("reinterpret", R, V): (["A"], ["A", "A", "A"], ["+g0", "+g1", "+g2"], ["g0", "g1", "g2"]),
+    ("reinterpret", R, P): (["A"], ["+A", "+A", "+A"], ["+g", "+g", "+g"], ["g"]),
+    ("reinterpret", I, R): (["A"], ["A"], ["g0 + g1 + g2"], ["+g0", "+g1", "+g2"]),
+    ("reinterpret", I, V): (["A"], ["A", "A", "A"], ["g0 + g1 + g2"], ["g0", "g1", "g2"]),
+    ("reinterpret", V, P): (["A", "B", "C"], ["+A", "+B", "+C"], ["g", "g", "g"], ["g"]),
+    ("convert", R, I): (["A"], ["A"], ["+g", "+0", "+0"], ["g"]),
+    ("convert", I, R): (["A"], ["A"], ["g0 + g1 + g2"], ["+g0", "+g1", "+g2"]),
+    ("convert", R, V): (
+        ["[A, B, C]"], ["[A]", "[B]", "[C]"], ["+[g0, 0, 0]", "+[0, g1, 0]", "+[0, 0, g2]"], ["[g0]", "[g1]", "[g2]"]
+    ),
+    ("convert", I, V): (["[A, B, C]"], ["[A]", "[B]", "[C]"], ["[g0, g1, g2]"], ["[g0]", "[g1]", "[g2]"]),
+    ("convert", R, P): (["A"], ["+A", "+0", "+0"], ["+g", "+0", "+0"], ["g"]),
+    ("convert", I, P): (["A"], ["+A", "+0", "+0"], ["g"], ["g"]),
+    ("convert", V, P): (
+        ["[A]", "[B]", "[C]"], ["+[A, 0, 0]", "+[0, B, 0]", "+[0, 0, C]"], ["[g0]", "[g1]", "[g2]"], ["[g0, g1, g2]"]
+    ),
+    ("all_reduce", P, R): (["+A", "+B", "+C"], ["A + B + C"], ["g0 + g1 + g2"], ["+g0", "+g1", "+g2"]),
+    ("all_reduce", P, I): (["+A", "+B", "+C"], ["A + B + C"], ["g"], ["g"]),
+    ("all_gather", V, R): (
+        ["[A]", "[B]", "[C]"], ["[A, B, C]"],
+        ["[a0 + b0 + c0]", "[a1 + b1 + c1]", "[a2 + b2 + c2]"], ["+[a0, a1, a2]", "+[b0, b1, b2]", "+[c0, c1, c2]"],
+    ),
+    ("all_gather", V, I): (["[A]", "[B]", "[C]"], ["[A, B, C]"], ["[g0]", "[g1]", "[g2]"], ["[g0, g1, g2]"]),
+    ("reduce_scatter", P, V): (
+        ["+[A0, A1, A2]", "+[B0, B1, B2]", "+[C0, C1, C2]"], ["[A0 + B0 + C0]", "[A1 + B1 + C1]", "[A2 + B2 + C2]"],
+        ["[g0, g1, g2]"], ["[g0]", "[g1]", "[g2]"],
+    ),
+    ("all_to_all", V, V): (
+        ["[A0, A1, A2]", "[B0, B1, B2]", "[C0, C1, C2]"], ["[A0, B0, C0]", "[A1, B1, C1]", "[A2, B2, C2]"],
+        ["[a0, a1, a2]", "[b0, b1, b2]", "[c0, c1, c2]"], ["[a0, b0, c0]", "[a1, b1, c1]", "[a2, b2, c2]"],
+    ),
+}
+
+# redistribute runs another op; one example of the routing, on S(d) layouts.
+_REDISTRIBUTE_DIAGRAM = (
+    "redistribute(x, axis, src=P, dst=S(0)) runs reduce_scatter(src=P, dst=S(0)):",
+    ["+[A0, A1, A2]", "+[B0, B1, B2]", "+[C0, C1, C2]"], ["[A0 + B0 + C0]", "[A1 + B1 + C1]", "[A2 + B2 + C2]"],
+)
+
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def _draw(left: list[str], right: list[str], arrow: str) -> str:
+    """A seed-003 diagram: one line per rank, the arrow on the middle rank; a single entry is replicated."""
+    lcol = left if len(left) == 3 else ["", left[0], ""]
+    rcol = right if len(right) == 3 else ["", right[0], ""]
+    width = max(len(s) for s in lcol)
+    lines = [f"{a:<{width}}  {arrow if i == 1 else '  '}  {b}".rstrip() for i, (a, b) in enumerate(zip(lcol, rcol))]
+    return "\n".join(line for line in lines if line)  # one value on each side: one line
+
+
+def _call(op: str, src, dst) -> str:
+    return f"{op}(src={src}, dst={dst})"
+
+
+def _comm(op: str, src, dst) -> str:
+    """What ``op(src, dst)`` communicates; ``src=V`` on a reduction is ``reinterpret(V, P)`` then the op."""
+    row = find(op, src, dst)
+    if row is None and op in _REDUCTIONS and src is V:
+        row = find(op, P, dst)
+    if row is None:
+        raise KeyError(f"no table row for {_call(op, src, dst)}")
+    return row.comm
+
+
+def _signature(name: str) -> str:
+    sig = inspect.signature(getattr(spmd, name))
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return f"spmd.{name}{sig.replace(parameters=params, return_annotation=inspect.Signature.empty)}"
+
+
+def _grid() -> list[str]:
+    """Seed 003's "Comms by state transition" grid, from TRANSITIONS."""
+    order = (R, I, V, P)
+    lines = ["| src \\ dst | " + " | ".join(str(t) for t in order) + " |", "|---" * 5 + "|"]
+    for src in order:
+        cells = [", ".join(f"`{t.op}`" for t in TRANSITIONS if t.src is src and t.dst is dst) or "-" for dst in order]
+        lines.append(f"| **{src}** | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _row_line(t) -> str:
+    bop, bsrc, bdst = t.backward
+    return (
+        f"| `{_call(t.op, t.src, t.dst)}` | {t.comm} | `{_call(bop, bsrc, bdst)}` | {_comm(bop, bsrc, bdst)} "
+        f"| {t.meaning} |"
+    )
+
+
+def _op_section(op: str) -> list[str]:
+    lines = [f"## {op}", "", "```python", _signature(op), "```", "", _INTRO[op], ""]
+    if op == "redistribute":
+        lines += ["| src -> dst | runs | its backward | backward comm |", "|---|---|---|---|"]
+        for (src, dst), routed in ROUTE.items():
+            row = find(routed, src, dst)
+            if row is None:
+                raise KeyError(f"ROUTE names {_call(routed, src, dst)}, which TRANSITIONS lacks")
+            bop, bsrc, bdst = row.backward
+            lines.append(f"| {src} -> {dst} | `{_call(routed, src, dst)}` | `{_call(bop, bsrc, bdst)}` "
+                         f"| {_comm(bop, bsrc, bdst)} |")
+        title, left, right = _REDISTRIBUTE_DIAGRAM
+        return lines + ["", title, "", "```", _draw(left, right, "=>"), "```", ""]
+    rows = [t for t in TRANSITIONS if t.op == op]
+    lines += ["| forward | forward comm | backward (on the gradient) | backward comm | meaning |", "|---|---|---|---|---|"]
+    lines += [_row_line(t) for t in rows]
+    lines.append("")
+    for t in rows:
+        fin, fout, gin, gout = _DIAGRAMS[(t.op, t.src, t.dst)]
+        bop, bsrc, bdst = t.backward
+        lines += [
+            f"### {_call(t.op, t.src, t.dst)}",
+            "",
+            f"Forward ({t.comm}), then backward `{_call(bop, bsrc, bdst)}` ({_comm(bop, bsrc, bdst)}):",
+            "",
+            "```",
+            "forward:",
+            _draw(fin, fout, "=>"),
+            "",
+            "backward:",
+            _draw(gin, gout, "<="),
+            "```",
+            "",
+        ]
+    return lines
+
+
+def collectives_page() -> str:
+    lines = [
+        "# The type-changing operations",
+        "",
+        "Generated by `python docs/generate.py` from `spmd_types/_transitions.py` (`TRANSITIONS`, `ROUTE`) and the",
+        "functions' signatures; the diagrams live in `docs/generate.py`. Do not edit by hand.",
+        "",
+        "Every op takes `(x, axis, *, src, dst)`. `V` in a table stands for V or `S(d)` (the same in local SPMD);",
+        "the backward runs on the gradient, whose types are the backward types (R and P swap, I and V stay).",
+        "",
+        "**Diagrams** (seed 003, \"Comms by API\"): three ranks, one line each; a value written on one line only",
+        "is the same on every rank; a leading `+` marks a pending sum (`+A / +B / +C` means `A + B + C`). The",
+        "forward reads `input => output`; the backward `grad_input <= grad_output`, so `grad_input` lines up",
+        "with `input` (same shape, same number of values across the ranks).",
+        "",
+        "## Every transition",
+        "",
+        "Seed 003's \"Comms by state transition\" grid: the ops that go from one type to another.",
+        "",
+    ]
+    lines += _grid()
+    lines += [
+        "",
+        "Seed 003's \"Comms by forwards-backwards\" table, one row per (op, src, dst):",
+        "",
+        "| forward | forward comm | backward (on the gradient) | backward comm | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [_row_line(t) for t in TRANSITIONS]
+    lines.append("")
+    for op in _OPS:
+        lines += _op_section(op)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+PAGES = {"rules.md": rules_page, "collectives.md": collectives_page}
 
 
 def main() -> int:
