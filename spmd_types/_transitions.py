@@ -71,11 +71,27 @@ def find(op: str, src: SpmdType, dst: SpmdType) -> Transition | None:
     return _BY_KEY.get((op, _base(src), _base(dst)))
 
 
+# src=V on a reduction is shorthand for reinterpret(V, P) first (CONTRACT 4). Where the two
+# backwards compose into one op, it is named here, so every backward the table names can
+# itself be looked up: all_reduce(V -> I) is JAX's psum_invariant, whose transpose is pvary.
+_SHORTHAND_BACKWARD = {("all_reduce", V, I): ("reinterpret", I, V)}
+
+
 def backward_of(op: str, src: SpmdType, dst: SpmdType) -> tuple[str, SpmdType, SpmdType]:
+    """The op the backward of ``op(src -> dst)`` runs, with its (src, dst).
+
+    Example::
+
+        >>> backward_of("all_gather", V, R)
+        ('reduce_scatter', P, V)
+    """
     t = find(op, src, dst)
-    if t is None:
+    if t is not None:
+        return t.backward
+    shorthand = _SHORTHAND_BACKWARD.get((op, _base(src), _base(dst)))
+    if shorthand is None:
         raise KeyError((op, src, dst))
-    return t.backward
+    return shorthand
 
 
 def route_call(x: str, axis: str, have: SpmdType, want: SpmdType) -> str | None:

@@ -172,3 +172,14 @@ def test_redistribute_keeps_meaning(mesh4, src, dst):
         x = random_value(mesh4, {"tp": src}, (4, 4))
         y = redistribute(x, "tp", src=src, dst=dst)
         torch.testing.assert_close(denote(y, mesh4, {"tp": dst}), denote(x, mesh4, {"tp": src}))
+
+
+def test_every_backward_the_table_names_can_be_looked_up():
+    from spmd_types._transitions import TRANSITIONS, backward_of
+
+    for row in TRANSITIONS:
+        back = backward_of(row.op, row.src, row.dst)
+        # Transposing twice gives a forward of the same types (convert and reinterpret coincide on R <-> I).
+        again = backward_of(*back)
+        assert (again[1], again[2]) == (row.src, row.dst), (row, back, again)
+        assert again[0] == row.op or {again[0], row.op} == {"convert", "reinterpret"}, (row, back, again)
