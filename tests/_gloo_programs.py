@@ -1,0 +1,301 @@
+"""Worker code for tests/test_gloo.py: three parallel programs on a real (dp=2, tp=2) gloo mesh.
+
+Each program runs twice on every rank, typed (inside ``spmd.typecheck()``, with
+``assert_type`` on parameters and inputs) and erased (the same code with no
+checking), and checks its loss, every parameter gradient and the input's
+gradient (which catches a missing copy_to region), each reassembled from the
+shards with raw ``torch.distributed`` calls (never through spmd, so the check
+does not trust the code under test), against the same model run on one device
+with the full batch and full weights.
+
+The programs:
+
+* ``megatron_mlp``: a Megatron tensor-parallel MLP (column-parallel fc1,
+  row-parallel fc2) on tp, data parallel on dp. Parameters are I on dp and
+  ``convert(w, "dp", src=I, dst=R)`` in forward, so backward all-reduces each
+  gradient over dp (DDP inside the graph) and gradients come back I on dp.
+* ``sequence_parallel``: activations sharded on the sequence dim over tp,
+  LayerNorm with weights I on tp converted I -> R, ``all_gather`` S(0) -> R
+  before the column-parallel linear, ``reduce_scatter`` P -> S(0) after the
+  row-parallel one, and a residual connection.
+* ``fsdp_tp``: the MLP of ``megatron_mlp`` with every parameter also sharded on
+  dp (S(0)) and gathered with ``all_gather(src=S(0), dst=R)`` in forward, whose
+  backward reduce-scatters the gradient back into dp shards.
+
+Every rank appends one JSON line per program to ``rank<r>.jsonl`` as it
+finishes, so a hang still leaves the results so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import spmd_types as spmd
+
+I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
+
+PROGRAMS = ("megatron_mlp", "sequence_parallel", "fsdp_tp")
+MODES = ("erased", "typed")
+WORLD = 4
+HIDDEN, FFN, BATCH, SEQ = 8, 16, 8, 8
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+# A layout lists how a full tensor is cut into this rank's local piece: (axis, tensor dim)
+# steps applied in order, so [("tp", 0), ("dp", 0)] is the dp half of the tp half of dim 0.
+Layout = list
+
+
+# ---------------------------------------------------------------------------
+# tensors: full ones from a seed, local pieces, and reassembly
+
+
+def _full_tensors(seed: int, batch_shape: tuple[int, ...], layer_norm: bool = False) -> dict[str, torch.Tensor]:
+    """The full input ``x`` and full MLP (and LayerNorm) weights; the same on every rank and in the reference."""
+    g = torch.Generator().manual_seed(seed)
+    full = {
+        "x": torch.randn(*batch_shape, HIDDEN, generator=g),
+        "w1": torch.randn(FFN, HIDDEN, generator=g) / HIDDEN**0.5,
+        "b1": torch.randn(FFN, generator=g) * 0.1,
+        "w2": torch.randn(HIDDEN, FFN, generator=g) / FFN**0.5,
+        "b2": torch.randn(HIDDEN, generator=g) * 0.1,
+    }
+    if layer_norm:
+        full["ln_w"] = 1 + 0.1 * torch.randn(HIDDEN, generator=g)
+        full["ln_b"] = 0.1 * torch.randn(HIDDEN, generator=g)
+    return full
+
+
+def _shard(t: torch.Tensor, layout: Layout, mesh) -> torch.Tensor:
+    """This rank's local piece of the full tensor ``t``."""
+    for axis, dim in layout:
+        t = t.chunk(mesh.size(mesh.mesh_dim_names.index(axis)), dim)[mesh.get_local_rank(axis)]
+    return t.contiguous()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain-tensor copy (typed gradients are LTensors; raw torch.distributed gets plain tensors)."""
+    return torch.Tensor._make_subclass(torch.Tensor, t.detach()).clone()
+
+
+def _unshard(t: torch.Tensor, layout: Layout, mesh) -> torch.Tensor:
+    """The full tensor from every rank's piece, undoing ``layout`` innermost step first (raw all_gather)."""
+    for axis, dim in reversed(layout):
+        group = mesh.get_group(axis)
+        parts = [torch.empty_like(t) for _ in range(group.size())]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        t = torch.cat(parts, dim)
+    return t
+
+
+def _local_leaves(full: dict, layouts: dict, mesh) -> tuple[torch.Tensor, dict[str, torch.nn.Parameter]]:
+    """This rank's input (a leaf that requires grad, so its gradient is checked too) and parameters."""
+    x = _shard(full["x"], layouts["x"], mesh).requires_grad_()
+    return x, {k: torch.nn.Parameter(_shard(v, layouts[k], mesh)) for k, v in full.items() if k != "x"}
+
+
+def _checking(typed: bool):
+    return spmd.typecheck() if typed else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------
+# the models: one tensor-parallel MLP, its single-device reference, the loss
+
+
+def _tp_mlp(x: torch.Tensor, w: dict) -> torch.Tensor:
+    """Megatron MLP on tp: ``x`` I on tp, fc1 column-parallel, fc2 row-parallel; the output is I on tp."""
+    x = spmd.convert(x, "tp", src=I, dst=R)  # copy_to_tensor_model_parallel_region: backward all-reduces
+    h = F.gelu(F.linear(x, w["w1"], w["b1"]))  # this rank's FFN columns: V on tp
+    y = spmd.reinterpret(F.linear(h, w["w2"]), "tp", src=V, dst=P)  # partial products of the full matmul
+    y = spmd.all_reduce(y, "tp", src=P, dst=I)  # reduce_from_tensor_model_parallel_region
+    return y + w["b2"]
+
+
+def _mlp_reference(x: torch.Tensor, w: dict) -> torch.Tensor:
+    return F.linear(F.gelu(F.linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
+
+
+def _global_mean_loss(out: torch.Tensor, count: int, axes) -> torch.Tensor:
+    """sum(out ** 2) / ``count`` over the whole mesh: each rank's local sum, summed over ``axes`` to an I value.
+
+    dst=I, not R: backward() from an R value is rejected (its seed 1 on every rank
+    would mean the mesh size), and all_reduce(dst=I) backward needs no communication.
+    """
+    return spmd.all_reduce(out.pow(2).sum() / count, axes, src=V, dst=I)
+
+
+def _reference(loss_fn: Callable, full: dict) -> tuple[torch.Tensor, dict]:
+    """Loss and gradients (the input's included) of the single-device model on the full batch and weights."""
+    w = {k: v.clone().requires_grad_() for k, v in full.items()}
+    loss = loss_fn(w["x"], w)
+    loss.backward()
+    return loss.detach(), {k: v.grad for k, v in w.items()}
+
+
+# ---------------------------------------------------------------------------
+# (a) Megatron tensor-parallel MLP, data parallel on dp
+
+
+MLP_TP_LAYOUT = {"x": [("dp", 0)], "w1": [("tp", 0)], "b1": [("tp", 0)], "w2": [("tp", 1)], "b2": []}
+
+
+def _tp_types(layout: Layout) -> dict:
+    """Types on tp: S(d) where the tp step cuts dim d, else I (the same on every tp rank)."""
+    dims = [d for a, d in layout if a == "tp"]
+    return {"tp": S(dims[0])} if dims else {"tp": I}
+
+
+def megatron_mlp(mesh, typed: bool):
+    """Loss, local parameters, layouts and the reference of program (a)."""
+    full = _full_tensors(1, (BATCH,))
+    x, params = _local_leaves(full, MLP_TP_LAYOUT, mesh)
+    with _checking(typed):
+        for k, p in params.items():
+            spmd.assert_type(p, {"dp": I, **_tp_types(MLP_TP_LAYOUT[k])})
+        spmd.assert_type(x, {"dp": S(0), "tp": I})
+        # I on dp, R where used: convert's backward all-reduces each gradient over dp, as DDP would.
+        w = {k: spmd.convert(p, "dp", src=I, dst=R) for k, p in params.items()}
+        loss = _global_mean_loss(_tp_mlp(x, w), BATCH, "dp")
+        loss.backward()
+    ref = _reference(lambda xx, ww: _mlp_reference(xx, ww).pow(2).sum() / BATCH, full)
+    return loss, {"x": x, **params}, MLP_TP_LAYOUT, ref
+
+
+# ---------------------------------------------------------------------------
+# (b) sequence parallel: [seq, batch, hidden] sharded on seq over tp, batch over dp
+
+
+SP_LAYOUT = {
+    "x": [("dp", 1), ("tp", 0)], "w1": [("tp", 0)], "b1": [("tp", 0)], "w2": [("tp", 1)], "b2": [], "ln_w": [], "ln_b": [],
+}
+SP_BATCH = 4
+
+
+def _sp_block(x: torch.Tensor, w: dict) -> torch.Tensor:
+    """LayerNorm -> all_gather -> column/row-parallel MLP -> reduce_scatter, plus the residual; S(0) on tp."""
+    ln_w, ln_b, b2 = (spmd.convert(w[k], "tp", src=I, dst=R) for k in ("ln_w", "ln_b", "b2"))
+    h = F.layer_norm(x, (HIDDEN,), ln_w, ln_b)  # per token, on this rank's tokens
+    h = spmd.all_gather(h, "tp", src=S(0), dst=R)  # every token: backward reduce-scatters
+    z = F.linear(F.gelu(F.linear(h, w["w1"], w["b1"])), w["w2"])
+    z = spmd.reinterpret(z, "tp", src=V, dst=P)
+    z = spmd.reduce_scatter(z, "tp", src=P, dst=S(0))  # summed, and back to this rank's tokens
+    return x + z + b2
+
+
+def _sp_reference(x: torch.Tensor, w: dict) -> torch.Tensor:
+    h = F.layer_norm(x, (HIDDEN,), w["ln_w"], w["ln_b"])
+    return x + _mlp_reference(h, w)
+
+
+def sequence_parallel(mesh, typed: bool):
+    """Loss, local parameters, layouts and the reference of program (b)."""
+    full = _full_tensors(2, (SEQ, SP_BATCH), layer_norm=True)
+    x, params = _local_leaves(full, SP_LAYOUT, mesh)
+    count = SEQ * SP_BATCH
+    with _checking(typed):
+        for k, p in params.items():
+            spmd.assert_type(p, {"dp": I, **_tp_types(SP_LAYOUT[k])})
+        spmd.assert_type(x, {"dp": S(1), "tp": S(0)})
+        w = {k: spmd.convert(p, "dp", src=I, dst=R) for k, p in params.items()}
+        loss = _global_mean_loss(_sp_block(x, w), count, ("dp", "tp"))
+        loss.backward()
+    ref = _reference(lambda xx, ww: _sp_reference(xx, ww).pow(2).sum() / count, full)
+    return loss, {"x": x, **params}, SP_LAYOUT, ref
+
+
+# ---------------------------------------------------------------------------
+# (c) FSDP on dp x tensor parallel on tp
+
+
+FSDP_LAYOUT = {k: v if k == "x" else v + [("dp", 0)] for k, v in MLP_TP_LAYOUT.items()}
+
+
+def fsdp_tp(mesh, typed: bool):
+    """Loss, local parameters, layouts and the reference of program (c)."""
+    full = _full_tensors(3, (BATCH,))
+    x, params = _local_leaves(full, FSDP_LAYOUT, mesh)
+    with _checking(typed):
+        for k, p in params.items():
+            spmd.assert_type(p, {"dp": S(0), **_tp_types(MLP_TP_LAYOUT[k])})
+        spmd.assert_type(x, {"dp": S(0), "tp": I})
+        # Gather each dp shard just in time; backward reduce-scatters the gradient into dp shards.
+        w = {k: spmd.all_gather(p, "dp", src=S(0), dst=R) for k, p in params.items()}
+        loss = _global_mean_loss(_tp_mlp(x, w), BATCH, "dp")
+        loss.backward()
+    ref = _reference(lambda xx, ww: _mlp_reference(xx, ww).pow(2).sum() / BATCH, full)
+    return loss, {"x": x, **params}, FSDP_LAYOUT, ref
+
+
+# ---------------------------------------------------------------------------
+# running and checking one program
+
+
+def _check_types(params: dict, typed: bool) -> None:
+    """Typed: each gradient has its parameter's backward type (I -> I, S(d) -> S(d)); erased: nothing is typed."""
+    for k, p in params.items():
+        want = {a: spmd.backward_type(t) for a, t in spmd.get_type(p).items()} if typed else None
+        if spmd.get_type(p.grad) != want:
+            raise AssertionError(f"grad of {k}: type {spmd.get_type(p.grad)}, expected {want}")
+
+
+def run_program(name: str, typed: bool, mesh) -> list[str]:
+    """Run one program and compare with the reference; returns what was checked, raises on a mismatch."""
+    with spmd.set_current_mesh(mesh):
+        loss, params, layouts, (ref_loss, ref_grads) = globals()[name](mesh, typed)
+        missing = [k for k, p in params.items() if p.grad is None]
+        if missing:
+            raise AssertionError(f"no gradient for {missing}")
+        _check_types(params, typed)
+    # Reassemble every gradient on every rank first (collectives), then compare (no collectives),
+    # so a mismatch on one rank cannot leave the others waiting in an all_gather.
+    grads = {k: _unshard(_plain(p.grad), layouts[k], mesh) for k, p in params.items()}
+    torch.testing.assert_close(_plain(loss), ref_loss, **TOL, msg=lambda m: f"loss: {m}")
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[k], **TOL, msg=lambda m, k=k: f"grad of {k}: {m}")
+    return ["loss"] + sorted(grads)
+
+
+def _agree(failed: bool) -> bool:
+    """True unless some ranks failed and others did not (their collectives may then be out of step)."""
+    flag = torch.tensor([float(failed)])
+    dist.all_reduce(flag)
+    return flag.item() in (0.0, float(WORLD))
+
+
+def worker(rank: int, init_method: str, out_dir: str) -> None:
+    """One rank: run every program typed and erased, appending a JSON line per result to rank<r>.jsonl."""
+    torch.set_num_threads(1)  # 4 processes on 2 cores
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    with open(path, "w") as out:
+        def record(**row) -> None:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+        try:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
+                                    timeout=datetime.timedelta(seconds=60))
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            for name in PROGRAMS:
+                for mode in MODES:
+                    start, error, checked = time.perf_counter(), None, []
+                    try:
+                        checked = run_program(name, mode == "typed", mesh)
+                    except Exception:
+                        error = traceback.format_exc()
+                    record(key=f"{name}-{mode}", error=error, checked=checked, seconds=time.perf_counter() - start)
+                    if not _agree(error is not None):
+                        record(key="__worker__", error=f"ranks disagree after {name}-{mode}; stopped", checked=[])
+                        return
+            dist.destroy_process_group()
+        except Exception:
+            record(key="__worker__", error=traceback.format_exc(), checked=[], seconds=0.0)
