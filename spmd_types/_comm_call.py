@@ -268,6 +268,11 @@ def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:
         return out
     for name in call.comm.names:
         types = types.replace(name, begun.dst)
+    with _DisableTF():
+        rank_changed = x.dim() != out.dim()
+    if rank_changed:
+        # A stack or unbind moves every dim: an S(d) on another axis now names the wrong dim.
+        types = TypeMap.of((a, V if (t.is_varying and a not in call.comm.names) else t) for a, t in types.items)
     spec = _global_spec(begun, x, out) if STATE.global_mode else None
     out = _wrap(out, types)
     if spec is not None:
@@ -289,7 +294,7 @@ def _global_spec(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> tuple | No
         in_ndim, out_ndim = x.dim(), out.dim()
     spec = getattr(x, "_spmd_spec", None) or tuple(() for _ in range(in_ndim))
     if not names:
-        return spec if in_ndim == out_ndim else None
+        return _restack(begun, spec, in_ndim, out_ndim, global_axes)
     for t, what in ((begun.src, "src"), (begun.dst, "dst")):
         if t is V:
             raise SpmdTypeError(
@@ -326,3 +331,21 @@ def _global_spec(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> tuple | No
     if dst_dim is not None:
         entries[dst_dim % out_ndim].extend(names)
     return tuple(tuple(e) for e in entries)
+
+
+def _restack(begun: Begun, spec: tuple, in_ndim: int, out_ndim: int, global_axes: frozenset) -> tuple:
+    """The spec after a V (stack) collective on a local axis: a new dim 0, or dim 0 unbound."""
+    if out_ndim == in_ndim:
+        return spec
+    if out_ndim == in_ndim + 1:
+        return ((),) + tuple(spec)
+    if spec and any(a in global_axes for a in spec[0]):
+        raise SpmdTypeError(
+            Rejection(
+                f"{begun.opname} unbinds dim 0, which is sharded on a globally checked axis.",
+                [("op", _call_text(begun.opname, begun.comm, begun.src, begun.dst)), ("spec", str(spec))],
+                [f"gather dim 0 on {', '.join(spec[0])} first"],
+            ),
+            user_source_line(),
+        )
+    return tuple(spec[1:])

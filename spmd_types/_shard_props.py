@@ -47,6 +47,8 @@ class Ctx:
         return self.operands[0]
 
     def out_ndim(self) -> int:
+        if not isinstance(self.out, (torch.Tensor, tuple, list)):  # the op has not run: as for elementwise
+            return max((op.tensor.dim() for op in self.operands), default=0)
         out = self.out[0] if isinstance(self.out, (tuple, list)) else self.out
         return out.dim() if isinstance(out, torch.Tensor) else 0
 
@@ -89,12 +91,14 @@ def same(ctx: Ctx) -> Spec | Rejection:
     """The result has its input's layout (casts, copies, unary elementwise functions)."""
     if not ctx.operands:
         return tuple(() for _ in range(ctx.out_ndim()))
+    if len(ctx.operands) > 1:
+        return elementwise(ctx)
     spec = ctx.first().spec
     if len(spec) != ctx.out_ndim():
         return tuple(() for _ in range(ctx.out_ndim())) if not any(spec) else ctx.reject(
             "the result's rank differs from its input's, and no rule says where the sharded dims go.",
             f"input has {len(spec)} dims, result has {ctx.out_ndim()}", [])
-    return spec if len(ctx.operands) == 1 else elementwise(ctx)
+    return spec
 
 
 def elementwise(ctx: Ctx) -> Spec | Rejection:

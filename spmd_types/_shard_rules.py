@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._errors import Rejection, op_error
+from ._errors import Rejection, SpmdTypeError, op_error
 from ._op_registry import _resolve, entry_for
 from ._rules_table import op_variants
 from ._shard_contract import attention_rule, cross_entropy_rule, einsum_rule, embedding_rule, linear_rule, matmul_rule
@@ -222,8 +222,27 @@ def propagate(func, args, kwargs, out, out_types: TypeMap | None, global_axes: f
     return spec
 
 
+PENDING = object()  # the op has not run (it failed): rules that need its result cannot say
+
+
+def explain_failure(func, args, kwargs, out_types, global_axes, sizes, partial) -> None:
+    """When the local op itself failed, raise the SpmdTypeError its shard rule gives, if any.
+
+    A layout mistake often makes the local op fail first (global class ids on a
+    class-sharded logit, a global shape on a local shard); the rule's message
+    names the fix, where torch's only says what broke.
+    """
+    try:
+        _propagate(func, args, kwargs, PENDING, out_types, global_axes, sizes, partial)
+    except SpmdTypeError:
+        raise
+    except Exception:  # the rule needs the result; let torch's own error stand
+        return
+
+
 def _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial) -> Spec | None:
-    if not isinstance(out, torch.Tensor) and not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)):
+    is_tensors = isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)
+    if out is not PENDING and not isinstance(out, torch.Tensor) and not is_tensors:
         return None
     entry = entry_for(func)
     operands = _operands(entry.row.params, args, kwargs, global_axes)
@@ -242,7 +261,7 @@ def _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial) 
             spec = row.rule(ctx)
     if isinstance(spec, Rejection):
         raise op_error(spec, getattr(func, "__name__", ""), entry.row.params)
-    if out_types is not None:
+    if out_types is not None and out is not PENDING:
         why = check_placement(out_types, spec, global_axes - partial)
         if why:
             raise op_error(ctx.reject(f"{entry.display}'s result has no layout.", why, []), "", ())

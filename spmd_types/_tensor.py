@@ -18,7 +18,7 @@ from ._mesh import current_mesh
 from ._op_registry import ENTRIES, OpEntry, entry_for
 from ._rules import infer
 from ._rules_table import RuleKind
-from ._shard_rules import propagate
+from ._shard_rules import explain_failure, propagate
 from ._spec import format_shape, short_dtype
 from ._state import STATE
 from ._types import R, TypeMap
@@ -39,6 +39,7 @@ _UNCHECKED = (
     | {torch.autograd.grad, torch.autograd.backward}
 )
 _BACKWARD = torch.Tensor.backward
+_PASSTHROUGH = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.PASSTHROUGH)
 _PLAIN = object()
 _ZERO = object()
 _NUMBER = object()
@@ -120,12 +121,25 @@ def _typed_call(func, args, kwargs):
     if out_types is _MISSING:
         out_types = _infer_or_raise(func, args, kwargs)
         cache[key] = out_types
+    if STATE.global_mode and out_types is not None:
+        try:
+            out = _run(func, args, kwargs)
+        except Exception:
+            _explain_failure(func, args, kwargs, out_types)
+            raise
+        return _global_result(func, args, kwargs, out, out_types)
     out = _run(func, args, kwargs)
     if out_types is None:
         return out
-    if STATE.global_mode:
-        return _global_result(func, args, kwargs, out, out_types)
     return _wrap(out, out_types)
+
+
+def _explain_failure(func, args, kwargs, out_types: TypeMap) -> None:
+    mesh = current_mesh()
+    if mesh is not None:
+        with _DisableTF():
+            explain_failure(func, args, kwargs, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
+                            STATE.out_partial)
 
 
 def _global_result(func, args, kwargs, out, out_types: TypeMap):
@@ -217,7 +231,21 @@ def _local_tensor_class() -> type | None:
     except ImportError:  # pragma: no cover - torch without the simulator
         return None
     if LocalTensor not in _LOCAL_CLASSES:
-        local_cls = type("LocalLTensor", (LTensor, LocalTensor), {"__module__": __name__})
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            # Autograd saves the typed objects themselves, so backward formulas reach the
+            # simulator with them: hand it its own class while it runs.
+            swapped = _swap_to_base(args, kwargs or {})
+            try:
+                types = tuple(LocalTensor if t is cls else t for t in types)
+                return LocalTensor.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                for x, tp in swapped:
+                    x.__class__ = tp
+
+        local_cls = type("LocalLTensor", (LTensor, LocalTensor),
+                         {"__module__": __name__, "__torch_dispatch__": __torch_dispatch__})
         _LOCAL_CLASSES[LocalTensor] = local_cls
         _SWAP_BACK[local_cls] = LocalTensor
     return _LOCAL_CLASSES[LocalTensor]
@@ -263,12 +291,15 @@ def _marker(a: Any) -> Any:
 def _run(func, args, kwargs):
     """Run ``func`` with subclass dispatch off (and typed wrappers of other subclasses unwrapped)."""
     if _dispatch_depth():
-        return _run_swapped(func, args, kwargs)
+        if func in _UNCHECKED or func in _PASSTHROUGH:
+            return _run_swapped(func, args, kwargs)
+        return _run_on_aliases(func, args, kwargs)
     with _DisableTF():
         return func(*args, **kwargs)
 
 
-def _run_swapped(func, args, kwargs):
+def _swap_to_base(args, kwargs) -> list[tuple[torch.Tensor, type]]:
+    """Give every typed wrapper of another subclass its base class back; return what to restore."""
     swapped: list[tuple[torch.Tensor, type]] = []
 
     def visit(x: Any) -> None:
@@ -285,12 +316,48 @@ def _run_swapped(func, args, kwargs):
         visit(a)
     for v in kwargs.values():
         visit(v)
+    return swapped
+
+
+def _run_swapped(func, args, kwargs):
+    swapped = _swap_to_base(args, kwargs)
     try:
         with _DisableTF():
             return func(*args, **kwargs)
     finally:
         for x, tp in swapped:
             x.__class__ = tp
+
+
+def _run_on_aliases(func, args, kwargs):
+    """Run ``func`` on plain aliases of typed wrappers of other subclasses (LocalTensor, Parameter).
+
+    Under a dispatch mode such as LocalTensorMode, autograd must save tensors of
+    the mode's own classes: a backward formula that meets a typed wrapper fails
+    the mode's type checks. The aliases share storage and autograd history; an
+    op that returns an alias (in place) returns the typed object instead.
+    """
+    originals: dict[int, torch.Tensor] = {}
+
+    def alias(x: Any) -> Any:
+        tp = type(x)
+        base = _SWAP_BACK.get(tp)
+        if base is None:
+            return type(x)(alias(y) for y in x) if tp is list or tp is tuple else x
+        x.__class__ = base
+        try:
+            with _DisableTF():
+                a = x.view_as(x)
+        finally:
+            x.__class__ = tp
+        originals[id(a)] = x
+        return a
+
+    new_args = tuple(alias(a) for a in args)
+    new_kwargs = {k: alias(v) for k, v in kwargs.items()}
+    with _DisableTF():
+        out = func(*new_args, **new_kwargs)
+    return originals.get(id(out), out) if isinstance(out, torch.Tensor) else out
 
 
 def _wrap(out: Any, types: TypeMap) -> Any:
@@ -392,8 +459,7 @@ def _check_backward_root(args, kwargs) -> None:
 
 def make_typed(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
     """An LTensor view of plain ``t`` with ``types`` (``t`` itself is left alone)."""
-    with _DisableTF():
-        out = t.view_as(t)
+    out = _run(torch.Tensor.view_as, (t, t), {})
     out.__class__ = _typed_class_for(out)
     out._spmd_types = types
     return out

@@ -552,7 +552,6 @@ _LOCAL_MAP_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_LOCAL_MAP_BUG)
 @pytest.mark.parametrize("mesh_kind", ["tp4", "dp2tp2"])
 def test_vocab_parallel_cross_entropy_in_local_map(mesh_kind, request):
     mesh = request.getfixturevalue(mesh_kind)
@@ -587,7 +586,6 @@ def test_vocab_parallel_cross_entropy_in_local_map(mesh_kind, request):
 # package bugs found by these programs, as minimal reproductions (xfail: they flip when fixed)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_LOCAL_MAP_BUG)
 def test_local_map_output_under_local_tensor_mode(tp4):
     @spmd.local_map(in_types=[{"tp": R}], out_types={"tp": R})
     def double(x):
@@ -606,7 +604,6 @@ _BROADCAST_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, raises=spmd.SpmdTypeError, reason=_BROADCAST_BUG)
 @pytest.mark.parametrize("case", ["unsharded_first", "sharded_first"])
 def test_broadcast_with_the_lower_rank_operand_first(tp4, case):
     with LocalTensorMode(4) as lm, spmd.set_current_mesh(tp4), spmd.typecheck(local=False):
@@ -621,7 +618,6 @@ def test_broadcast_with_the_lower_rank_operand_first(tp4, case):
             assert spmd.get_partition_spec(y) == PS(None, "tp")
 
 
-@pytest.mark.xfail(strict=True, raises=spmd.SpmdTypeError, reason=_BROADCAST_BUG)
 def test_tp_mlp_bias_added_on_the_left_dp2_tp2(dp2tp2):
     """The dp x tp MLP written `b2 + y` instead of `y + b2`."""
 
@@ -633,10 +629,6 @@ def test_tp_mlp_bias_added_on_the_left_dp2_tp2(dp2tp2):
     check(run_equivalence(dp2tp2, _mlp_inputs({"dp": S(0), "tp": R}), mlp, _mlp_ref))
 
 
-@pytest.mark.xfail(strict=True, raises=spmd.SpmdTypeError, reason=(
-    "bug: _comm_call._global_spec returns None when the collective's axes are all local (typecheck(local=[...]) "
-    "or local_map(axes=)) and it adds or removes a dim (V stacking forms), so the result loses its layout on "
-    "the global axes and the next op rejects it ('input has no layout')"))
 def test_stacking_collective_on_a_local_axis_keeps_the_global_layout(dp2tp2):
     with LocalTensorMode(4) as lm, spmd.set_current_mesh(dp2tp2), spmd.typecheck(local=["tp"]):
         x = spmd.assert_type(lm.rank_map(lambda r: torch.randn(4)), {"dp": S(0), "tp": V})
@@ -645,10 +637,6 @@ def test_stacking_collective_on_a_local_axis_keeps_the_global_layout(dp2tp2):
         assert spmd.get_partition_spec(y) == PS(None, "dp") and spmd.get_partition_spec(z) == PS("dp")
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "global SPMD runs the op before its shard rule (_tensor._typed_call: _run, then _global_result), so a "
-    "class-sharded cross-entropy with global class ids fails in torch (IndexError: Target out of bounds) "
-    "instead of raising the SpmdTypeError that names the fix"))
 def test_class_sharded_cross_entropy_is_rejected_before_it_runs(tp4):
     with LocalTensorMode(4) as lm, spmd.set_current_mesh(tp4), spmd.typecheck(local=False):
         logits = spmd.assert_type(lm.rank_map(lambda r: torch.randn(8, 3)), {"tp": S(1)})  # 12 classes
@@ -664,8 +652,7 @@ _SAVED_VIEW_BUG = (
 )
 
 
-@pytest.mark.parametrize("how", [pytest.param("matmul", marks=pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason=_SAVED_VIEW_BUG)), "einsum", "sum"])
+@pytest.mark.parametrize("how", ["matmul", "einsum", "sum"])
 def test_row_parallel_written_as_matmul_einsum_or_sum(tp4, how):
     """The row-parallel contraction through spmd.matmul, spmd.einsum, or a product and spmd.sum."""
 
@@ -692,7 +679,6 @@ def test_row_parallel_matmul_forward(tp4):
     check(run_equivalence(tp4, _mlp_inputs({"tp": R}), mlp, _mlp_ref, backward=False))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_SAVED_VIEW_BUG)
 @pytest.mark.parametrize("local", [True, False])
 def test_matmul_backward_on_typed_local_tensors(tp4, local):
     with LocalTensorMode(4) as lm, spmd.set_current_mesh(tp4), spmd.typecheck(local=local):
