@@ -246,3 +246,22 @@ def test_local_map_is_erased_outside_typecheck(mesh_dp_tp):
     with spmd.set_current_mesh(mesh_dp_tp):
         out = f(torch.randn(2))
     assert calls == [torch.Tensor] and type(out) is torch.Tensor
+
+
+class RowParallel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6, 8))
+
+    @spmd.local_map(in_types=[{"tp": S(1)}], out_types={"tp": P})
+    def forward(self, h):
+        return spmd.reinterpret(F.linear(h, self.weight), "tp", src=V, dst=P)
+
+
+def test_local_map_on_a_module_forward(glob):
+    block = RowParallel()
+    spmd.assert_type(block.weight, {"tp": S(1)})
+    y = block(sharded((4, 8), 1))
+    assert spmd.get_type(y)["tp"] is P and spec(y) == ((), ())
+    with pytest.raises(spmd.SpmdTypeError, match="the tensor is R on axis 'tp', and the assertion says S\\(1\\)"):
+        block(replicated(4, 8))
