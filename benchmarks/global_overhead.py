@@ -14,29 +14,12 @@ import timeit
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from overhead import mlp  # the same 12-op MLP (benchmarks/ is on sys.path when run as a script)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_types as spmd
-
-
-def mlp(x, w1, w2, b1, g):
-    """The same 12-op MLP forward as benchmarks/overhead.py."""
-    h = F.layer_norm(x, (x.shape[-1],), g)
-    h = F.linear(h, w1, b1)
-    h = F.gelu(h)
-    h = h * 0.5
-    h = F.linear(h, w2)
-    h = h + x
-    shape = h.shape
-    h = h.reshape(-1)
-    h = h.view(shape)
-    h = h.transpose(0, 1)
-    h = h.contiguous()
-    h = h.float()
-    return h.sum(0)
 
 
 def main() -> None:

@@ -43,19 +43,23 @@ def tagged(t: torch.Tensor) -> Tagged:
 
 
 def mlp(x, w1, w2, b1, g):
-    """A 12-op MLP forward: norm, linear, act, linear, residual, reduction."""
+    """A 12-op MLP forward: norm, linear, act, linear, residual, reshapes, reduction over the hidden dim.
+
+    Shapes come from the tensors themselves, so the same code runs on local shards and on DTensor.
+    """
     h = F.layer_norm(x, (x.shape[-1],), g)
     h = F.linear(h, w1, b1)
     h = F.gelu(h)
     h = h * 0.5
     h = F.linear(h, w2)
     h = h + x
+    shape = h.shape
     h = h.reshape(-1)
-    h = h.view(4, 4)
+    h = h.view(shape)
     h = h.transpose(0, 1)
     h = h.contiguous()
     h = h.float()
-    return h.sum()
+    return h.sum(0)
 
 
 def main() -> None:
