@@ -187,6 +187,7 @@ def _spec_of(t: torch.Tensor, label: str, global_axes: frozenset[str]) -> Spec:
 
 
 _SPEC_CACHE: dict[Any, Spec | None] = {}
+_SPEC_CACHE_LIMIT = 1 << 16
 _MISSING = object()
 
 
@@ -218,6 +219,8 @@ def propagate(func, args, kwargs, out, out_types: TypeMap | None, global_axes: f
         return found
     spec = _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial)
     if key is not None:
+        if len(_SPEC_CACHE) >= _SPEC_CACHE_LIMIT:  # keys hold shapes: varying sequence lengths add up
+            _SPEC_CACHE.clear()
         _SPEC_CACHE[key] = spec
     return spec
 
