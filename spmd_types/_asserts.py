@@ -81,15 +81,6 @@ def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
     return {resolve_axis(a): check_type_value(t, f"the type for axis {a!r}") for a, t in types.items()}
 
 
-def _normalize(types: TypeSpec, what: str) -> TypeMap:
-    """The full type map: axes the dict leaves out are V (local SPMD's default)."""
-    given = _resolve_types(types, what)
-    mesh = current_mesh()
-    full = {a: given.get(a, V) for a in mesh.axis_names}
-    full.update(given)
-    return TypeMap.of(full)
-
-
 def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[TypeMap, Spec | None]:
     """Types and partition spec from a type dict (S(d) entries) and an optional partition spec.
 
@@ -145,9 +136,8 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     if isinstance(t, torch.nn.Module):
         if partition_spec is not None:
             raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
-        want = _normalize(types, "assert_type")
         for member in list(t.parameters()) + list(t.buffers()):
-            _type_or_check(member, want, None, in_place=True)
+            _type_or_check(member, *_placed(member, types, None), in_place=True)
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")

@@ -265,3 +265,9 @@ def test_local_map_on_a_module_forward(glob):
     assert spmd.get_type(y)["tp"] is P and spec(y) == ((), ())
     with pytest.raises(spmd.SpmdTypeError, match="the tensor is R on axis 'tp', and the assertion says S\\(1\\)"):
         block(replicated(4, 8))
+
+
+def test_assert_type_on_a_module_in_global_spmd(glob):
+    lin = torch.nn.Linear(4, 4)
+    spmd.assert_type(lin, {"tp": R})  # dp left out: replicated in global SPMD, as for a tensor
+    assert spmd.get_type(lin.weight) == {"dp": R, "tp": R}
