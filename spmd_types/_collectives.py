@@ -19,7 +19,7 @@ from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
 from ._local import convert
 from ._redistribute_spec import redistribute_spec
 from ._transitions import ROUTE
-from ._types import P, R, SpmdType, V, check_type_value
+from ._types import P, R, SpmdType, V, base_type, check_type_value
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
 
@@ -214,10 +214,6 @@ register("all_to_all", _all_to_all_kernel)
 # redistribute: keep the meaning, communicate as needed (routes via _transitions.ROUTE)
 
 
-def _base(t: SpmdType) -> SpmdType:
-    return V if t.is_varying else t
-
-
 def redistribute(
     x: torch.Tensor, axis: Any, dst_spec: Any = None, *, src: SpmdType | None = None, dst: SpmdType | None = None,
     sizes: Sequence[int] | None = None, src_partial: Sequence[str] = (), dst_partial: Sequence[str] = (),
@@ -247,7 +243,7 @@ def redistribute(
     dst = check_type_value(dst, "spmd.redistribute: dst")
     if src is dst:
         return x
-    op = ROUTE.get((_base(src), _base(dst)))
+    op = ROUTE.get((base_type(src), base_type(dst)))
     if op == "all_to_all" and (src is V or dst is V):
         raise ValueError(
             f"spmd.redistribute: {src} -> {dst} does not say which dims to split and concatenate; use "

@@ -14,13 +14,9 @@ import torch
 
 from . import _comm_impl as impl
 from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
-from ._types import I, P, R, SpmdType, V
+from ._types import I, P, R, SpmdType, V, base_type
 
 __all__ = ["reinterpret", "convert"]
-
-
-def _base(t: SpmdType) -> SpmdType:
-    return V if t.is_varying else t
 
 
 # ---------------------------------------------------------------------------
@@ -82,9 +78,9 @@ def convert(
     src, dst, comm = begun.src, begun.dst, begun.comm
     sizes = check_sizes(begun.opname, sizes, comm)
     dim = None
-    if _base(dst) is V:
+    if base_type(dst) is V:
         dim = _slice_layout(begun.opname, x, dst, comm.size, sizes, comm.label)
-    elif _base(src) is V:
+    elif base_type(src) is V:
         dim = None if src is V else norm_dim(begun.opname, f"src={src}", src.dim, x.dim())
     return finish(begun, Call("convert", src, dst, comm, dim=dim, sizes=sizes), x)
 
@@ -118,7 +114,7 @@ _CONVERT_KIND = {
 
 
 def _convert_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    kind = _CONVERT_KIND[(_base(call.src), _base(call.dst))]
+    kind = _CONVERT_KIND[(base_type(call.src), base_type(call.dst))]
     comm = call.comm
     if kind == "same":
         out = x.view_as(x)

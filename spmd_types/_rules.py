@@ -328,10 +328,6 @@ def _strict_rejection(entry, op, typed) -> Rejection:
         f"Strict typechecking: {entry.display} got a plain (untyped) tensor as {op.label}; "
         "give it a type first.",
         [("op", entry.display), ("operand", f"{op.label}: plain tensor (untyped)")],
-        [f"spmd.assert_type({op.label}, {_dict_code(typed.types)})"],
+        [f"spmd.assert_type({op.label}, {typed.types.code()})"],
         notes=[f"the typed operand {typed.label} is {types}"],
     )
-
-
-def _dict_code(types: TypeMap) -> str:
-    return "{" + ", ".join(f"'{a}': {t.code()}" for a, t in types.items) + "}"

@@ -408,7 +408,7 @@ def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
                 f"{entry.display} writes a typed result into a plain (untyped) tensor, which would "
                 "lose the type.",
                 [("op", entry.display), ("destination", f"{what}: plain tensor"), ("result", result.format())],
-                [f"spmd.assert_type(destination, {_dict_code(result)})"],
+                [f"spmd.assert_type(destination, {result.code()})"],
             ),
             user_source_line(),
         )
@@ -427,9 +427,6 @@ def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
             user_source_line(),
         )
 
-
-def _dict_code(types: TypeMap) -> str:
-    return "{" + ", ".join(f"'{a}': {t.code()}" for a, t in types.items) + "}"
 
 
 def _check_backward_root(args, kwargs) -> None:

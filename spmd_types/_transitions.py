@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ._types import I, P, R, SpmdType, V
+from ._types import I, P, R, SpmdType, V, base_type
 
 __all__ = ["Transition", "TRANSITIONS", "ROUTE", "allowed", "backward_of"]
 
@@ -58,17 +58,13 @@ ROUTE: dict[tuple[SpmdType, SpmdType], str] = {
 }
 
 
-def _base(t: SpmdType) -> SpmdType:
-    return V if t.is_varying else t
-
-
 def allowed(op: str) -> list[tuple[SpmdType, SpmdType]]:
     """The (src, dst) pairs ``op`` accepts (V standing for V or S(d))."""
     return [(t.src, t.dst) for t in TRANSITIONS if t.op == op]
 
 
 def find(op: str, src: SpmdType, dst: SpmdType) -> Transition | None:
-    return _BY_KEY.get((op, _base(src), _base(dst)))
+    return _BY_KEY.get((op, base_type(src), base_type(dst)))
 
 
 # src=V on a reduction is shorthand for reinterpret(V, P) first (CONTRACT 4). Where the two
@@ -88,7 +84,7 @@ def backward_of(op: str, src: SpmdType, dst: SpmdType) -> tuple[str, SpmdType, S
     t = find(op, src, dst)
     if t is not None:
         return t.backward
-    shorthand = _SHORTHAND_BACKWARD.get((op, _base(src), _base(dst)))
+    shorthand = _SHORTHAND_BACKWARD.get((op, base_type(src), base_type(dst)))
     if shorthand is None:
         raise KeyError((op, src, dst))
     return shorthand
@@ -96,7 +92,7 @@ def backward_of(op: str, src: SpmdType, dst: SpmdType) -> tuple[str, SpmdType, S
 
 def route_call(x: str, axis: str, have: SpmdType, want: SpmdType) -> str | None:
     """The call that turns ``x`` from ``have`` into ``want`` keeping its meaning, as code."""
-    op = ROUTE.get((_base(have), _base(want)))
+    op = ROUTE.get((base_type(have), base_type(want)))
     if op is None:
         return None
     return f"spmd.{op}({x}, '{axis}', src={have.code()}, dst={want.code()})"

@@ -124,6 +124,11 @@ def S(dim: int) -> SpmdType:
 Shard = S
 
 
+def base_type(t: SpmdType) -> SpmdType:
+    """V for V and every S(d); the type itself otherwise (the forward/backward table's key)."""
+    return V if t.is_varying else t
+
+
 def _by_short_name(short: str) -> SpmdType:
     return {"R": R, "I": I, "V": V, "P": P}[short]
 
@@ -231,6 +236,10 @@ class TypeMap:
 
     def backward(self) -> TypeMap:
         return TypeMap.of((a, backward_type(t)) for a, t in self.items)
+
+    def code(self) -> str:
+        """The dict that spells this type map in user code: ``{'dp': spmd.V, 'tp': spmd.R}``."""
+        return "{" + ", ".join(f"'{a}': {t.code()}" for a, t in self.items) + "}"
 
     def format(self, order: Iterable[str] = ()) -> str:
         """``{dp: V, tp: R}``, axes in ``order`` first, then the rest sorted."""
