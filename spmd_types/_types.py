@@ -86,6 +86,15 @@ class _Shard(SpmdType):
 
 
 class _Varying(SpmdType):
+    """V (varying): a different value on each rank of the axis; S(d) is V with a known layout.
+
+    Example::
+
+        >>> import spmd_types as spmd
+        >>> spmd.V.is_varying, spmd.S(0).is_varying, spmd.backward_type(spmd.V) is spmd.V
+        (True, True, True)
+    """
+
     __slots__ = ()
 
     @property

@@ -1,0 +1,111 @@
+"""spmd_types.testing.simulate: the fake process group, the mesh, the device, LocalTensorMode, and cleanup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import spmd_types as spmd
+from spmd_types._mesh import current_mesh
+from spmd_types.testing import CommCounter, denote, per_rank, simulate
+
+
+def _no_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_fake_meta_yields_the_current_mesh_and_cleans_up():
+    _no_group()
+    with simulate((2, 4), ("dp", "tp")) as mesh:
+        assert mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.mesh.shape) == (2, 4)
+        assert dist.get_world_size() == 8 and dist.get_backend() == "fake"
+        assert current_mesh().axis_names == ("dp", "tp")
+        w = torch.nn.Parameter(torch.empty(3, 5))
+        assert w.device.type == "meta"
+        with spmd.typecheck():
+            spmd.assert_type(w, {"dp": spmd.R, "tp": spmd.V})
+            x = spmd.assert_type(torch.empty(2, 5), {"dp": spmd.V, "tp": spmd.I})
+            y = F.linear(spmd.convert(x, "tp", src=spmd.I, dst=spmd.R), w)
+            z = spmd.all_reduce(y, "tp", src=spmd.V, dst=spmd.I)
+            assert spmd.get_type(z) == {"dp": spmd.V, "tp": spmd.I} and z.device.type == "meta"
+            z.sum().backward()
+        assert spmd.get_type(w.grad) == {"dp": spmd.P, "tp": spmd.V}
+    assert not dist.is_initialized()
+    assert torch.empty(1).device.type == "cpu"
+    assert current_mesh() is None
+
+
+def test_a_type_error_at_scale_is_caught_on_meta():
+    with simulate((64, 8), ("dp", "tp")), spmd.typecheck():
+        w = spmd.assert_type(torch.nn.Parameter(torch.empty(1024, 8192)), {"dp": spmd.R, "tp": spmd.V})
+        x = spmd.assert_type(torch.empty(4, 8192), {"dp": spmd.V, "tp": spmd.I})
+        with pytest.raises(spmd.SpmdTypeError, match="Invariant"):
+            F.linear(x, w)
+
+
+def test_local_ranks_compute_every_rank():
+    with simulate((2, 2), ("dp", "tp"), ranks="local", device="cpu") as mesh:
+        x = per_rank(lambda r: torch.full((3,), float(r)))
+        with CommCounter() as comms:
+            y = spmd.all_reduce(x, "tp", src=spmd.P, dst=spmd.R)
+        assert comms.counts == {"all_reduce": 1}
+        torch.testing.assert_close(denote(y, mesh, {"dp": spmd.V, "tp": spmd.R}), torch.tensor([[1.0] * 3, [5.0] * 3]))
+    assert not dist.is_initialized()
+
+
+def test_reuses_a_fake_group_of_the_same_size_and_leaves_it():
+    _no_group()
+    dist.init_process_group("fake", rank=0, world_size=4, store=_store())
+    group = dist.group.WORLD
+    with simulate((4,), ("tp",)):
+        assert dist.group.WORLD is group
+    assert dist.is_initialized() and dist.group.WORLD is group
+    with simulate((8,), ("tp",)):
+        assert dist.get_world_size() == 8
+    assert not dist.is_initialized()
+
+
+def test_cleans_up_when_the_body_raises():
+    _no_group()
+    with pytest.raises(ZeroDivisionError), simulate((2,), ("tp",), ranks="local", device="cpu"):
+        raise ZeroDivisionError("the body fails")
+    assert not dist.is_initialized() and torch.empty(1).device.type == "cpu"
+
+
+def _store():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ranks": "real"}, "simulate: ranks must be 'fake' or 'local', got 'real'"),
+        ({"device": "cuda"}, "simulate: device must be 'meta' or 'cpu', got 'cuda'"),
+        ({"ranks": "local"}, "simulate: ranks='local' computes every rank's values, so it needs device='cpu'"),
+        ({"names": ("dp",)}, "simulate: 2 mesh sizes but 1 axis names"),
+    ],
+)
+def test_argument_errors(kwargs, message):
+    args = {"mesh_shape": (2, 2), "names": ("dp", "tp"), **kwargs}
+    with pytest.raises(ValueError) as err, simulate(**args):
+        pass
+    assert str(err.value) == message
+
+
+def test_refuses_to_replace_a_real_process_group(tmp_path):
+    _no_group()
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/store")
+    try:
+        with pytest.raises(RuntimeError) as err, simulate((2,), ("tp",)):
+            pass
+        assert str(err.value) == (
+            "simulate: a real process group ('gloo') is already initialized; "
+            "simulate before init_process_group or after destroy_process_group"
+        )
+    finally:
+        dist.destroy_process_group()
