@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 import spmd_types as spmd
+from spmd_types._collectives import EXTREME_ROWS
 from spmd_types._op_registry import _resolve
 from spmd_types._rules_table import ROWS, RuleKind
 from spmd_types._transitions import ROUTE, TRANSITIONS, find
@@ -224,7 +225,37 @@ def _op_section(op: str) -> list[str]:
             "```",
             "",
         ]
+    if op == "all_reduce":
+        lines += _extreme_section()
     return lines
+
+
+def _extreme_section() -> list[str]:
+    """``all_reduce(op="max"|"min")``: not linear, so its rows live in ``_collectives.EXTREME_ROWS``."""
+    lines = [
+        '### all_reduce(op="max"|"min")',
+        "",
+        "The elementwise max (min) over ranks of a V (or `S(d)`) value. Not linear, so not in seed 003's table: the",
+        "backward sends the gradient to the ranks holding the extreme, split evenly among ties (as `torch.amax` does),",
+        "and a double backward is an error. A P input is rejected: its value is the sum over ranks, and the max of",
+        "the summands is not a function of that sum (finish the sum first, or type the value V where it is made).",
+        "",
+        "| forward | forward comm | backward comm | meaning |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `all_reduce(src={r.src}, dst={r.dst}, op=\"max\")` | all_reduce | {r.backward_comm} | {r.meaning} |"
+              for r in EXTREME_ROWS]
+    return lines + [
+        "",
+        "```",
+        "forward:",
+        _draw(["[1, 5]", "[4, 2]", "[4, 0]"], ["[4, 5]"], "=>"),
+        "",
+        "backward (dst=I; ties split):",
+        _draw(["[0, g1]", "[g0 / 2, 0]", "[g0 / 2, 0]"], ["[g0, g1]"], "<="),
+        "```",
+        "",
+    ]
 
 
 def collectives_page() -> str:

@@ -10,16 +10,33 @@ stacked on a new dim 0, S(d) the shards concatenated on dim d, P their sum.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _comm_impl as impl
-from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
+from ._asserts import _compatible
+from ._comm_call import (
+    Begun,
+    Call,
+    _reject_src,
+    begin,
+    check_sizes,
+    finish,
+    norm_dim,
+    register,
+    resolve_comm,
+    type_result,
+    unwrap,
+)
+from ._dtensor_hook import interop, is_dtensor
+from ._errors import Rejection, SpmdTypeError, user_source_line
 from ._local import convert
 from ._redistribute_spec import redistribute_spec
+from ._state import STATE
 from ._transitions import ROUTE
-from ._types import P, R, SpmdType, V, base_type, check_type_value
+from ._types import I, P, R, SpmdType, V, base_type, check_type_value
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
 
@@ -51,26 +68,41 @@ def _check_split(
 
 
 # ---------------------------------------------------------------------------
-# all_reduce: P -> R (backward all_reduce), P -> I (backward reinterpret(I, R): no comm)
+# all_reduce: P -> R (backward all_reduce), P -> I (backward reinterpret(I, R): no comm);
+# op="max"|"min": V -> R, V -> I (not linear, so not in seed 003's table: EXTREME_ROWS below)
 
 
-def all_reduce(x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = R, op: str = "sum") -> torch.Tensor:
-    """Sum (``op="avg"``: average) the pending sum over ``axis``.
+def all_reduce(
+    x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum"
+) -> torch.Tensor:
+    """Sum (``op="avg"``: average) the pending sum over ``axis``; or take the max / min over ranks.
 
     ``dst=R``: backward all-reduces the (pending) gradient. ``dst=I``: the
-    gradient is already summed, backward does nothing. ``src=V`` means
-    ``reinterpret(V, P)`` first. ``axis=("dp", "tp")`` reduces over both in one
-    collective on the flattened group::
+    gradient is already summed, backward does nothing. ``src`` defaults to P
+    (V for ``op="max"|"min"``); ``src=V`` means ``reinterpret(V, P)`` first.
+    ``axis=("dp", "tp")`` reduces over both in one collective on the flattened
+    group::
 
         +A
         +B  =>  A + B + C
         +C
 
+    ``op="max"`` / ``"min"`` takes a V (or S(d)) value to the elementwise
+    extreme over ranks, R or I (``EXTREME_ROWS``); its gradient goes to the
+    ranks holding the extreme, split evenly among ties as ``torch.amax`` does.
+
     Example::
 
         out = spmd.all_reduce(partial_out, "tp", src=spmd.P, dst=spmd.R)
+        row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
     """
-    begun = begin("all_reduce", x, axis, src, dst, op)
+    if is_dtensor(x):
+        return interop().typed_op(all_reduce, x, axis, src=(V if op in EXTREME_OPS else P) if src is None else src, dst=dst, op=op)
+    if op in EXTREME_OPS:
+        return _all_reduce_extreme(x, axis, V if src is None else src, dst, op)
+    if op not in ("sum", "avg"):
+        raise ValueError(f"spmd.all_reduce: op must be 'sum', 'avg', 'max' or 'min', got {op!r}")
+    begun = begin("all_reduce", x, axis, P if src is None else src, dst, op)
     return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op), x)
 
 
@@ -79,6 +111,88 @@ def _all_reduce_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
 
 
 register("all_reduce", _all_reduce_kernel)
+
+
+class ExtremeRow(NamedTuple):
+    src: SpmdType
+    dst: SpmdType
+    backward_comm: str  # what the backward moves
+    meaning: str
+
+
+# all_reduce(op="max"|"min") as data. V stands for V or S(d). A P input is rejected: its value is
+# the sum over ranks, and the max of the summands is not a function of that sum.
+EXTREME_OPS = ("max", "min")
+EXTREME_ROWS: tuple[ExtremeRow, ...] = (
+    ExtremeRow(V, R, "all_reduce", "the extreme on every rank; the pending gradient and the tie count are summed "
+               "in one all-reduce, then go to the ranks holding the extreme"),
+    ExtremeRow(V, I, "all_reduce", "the extreme on every rank; the gradient is already summed, only the tie "
+               "count is all-reduced"),
+)
+
+
+def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str) -> torch.Tensor:
+    opname = "spmd.all_reduce"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
+    src = check_type_value(src, f"{opname}: src")
+    dst = check_type_value(dst, f"{opname}: dst")
+    comm = resolve_comm(opname, axis)
+    if not any(row.src is base_type(src) and row.dst is dst for row in EXTREME_ROWS):
+        _reject_extreme(opname, comm, src, dst, op)
+    if x.is_complex():
+        raise TypeError(f"{opname}: op={op!r} needs an ordered dtype, got {x.dtype}")
+    types = getattr(x, "_spmd_types", None) if STATE.checking else None
+    if types is not None:
+        for name in comm.names:
+            if not _compatible(types.get(name), src):
+                _reject_src(opname, x, types, comm, name, types.get(name), src, dst)
+    begun = Begun(opname, src, dst, comm, types)
+    plain = unwrap(x)
+    call = Call("all_reduce", src, dst, comm, reduce=op)
+    if plain.requires_grad and torch.is_grad_enabled():
+        out = _AllReduceExtreme.apply(plain, call)
+    else:
+        out = impl.all_reduce(plain, comm, op)
+    return type_result(begun, x, out)
+
+
+def _reject_extreme(opname: str, comm: Any, src: SpmdType, dst: SpmdType, op: str) -> None:
+    if base_type(src) is P:
+        why = (f"{opname}(op={op!r}) cannot take src=P: a pending sum's value is the sum over ranks, and the "
+               f"{op} of the summands is not a function of that sum.")
+        fixes = [f"spmd.all_reduce(x, {comm.label}, src=spmd.P, dst={dst.code()}) to finish the sum first",
+                 "type x V where it is made, if each rank's own value is meant"]
+    else:
+        why = f"{opname}(op={op!r}) cannot take src={src} to dst={dst}: it takes a V (or S(d)) value to R or I."
+        fixes = []
+    shown = ", ".join(f"{row.src} -> {row.dst}" for row in EXTREME_ROWS)
+    call = f"{opname}(x, {comm.label}, src={src.code()}, dst={dst.code()}, op={op!r})"
+    raise SpmdTypeError(Rejection(why, [("op", call), ("allowed", shown)], fixes), user_source_line())
+
+
+class _AllReduceExtreme(torch.autograd.Function):
+    """Forward: all-reduce max/min. Backward: the gradient to the ranks holding the extreme, ties split evenly."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+        out = impl.all_reduce(x, call.comm, call.reduce)
+        ctx.call = call
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, out = ctx.saved_tensors
+        call = ctx.call
+        hit = (x == out).to(g.dtype)
+        if call.dst is R:  # the gradient of R is a pending sum: finish it together with the tie count
+            both = impl.all_reduce(torch.stack([g, hit]), call.comm, "sum")
+            g, count = both[0], both[1]
+        else:  # I: the gradient is already the sum
+            count = impl.all_reduce(hit, call.comm, "sum")
+        return hit * g / count, None
 
 
 # ---------------------------------------------------------------------------
@@ -103,6 +217,8 @@ def all_gather(
 
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R)
     """
+    if is_dtensor(x):
+        return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes)
     begun = begin("all_gather", x, axis, src, dst)
     comm = begun.comm
     dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
@@ -143,6 +259,8 @@ def reduce_scatter(
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
+    if is_dtensor(x):
+        return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes)
     begun = begin("reduce_scatter", x, axis, src, dst, op)
     comm, opname = begun.comm, begun.opname
     dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
@@ -188,6 +306,8 @@ def all_to_all(
 
         heads = spmd.all_to_all(seq_shard, "cp", src=spmd.S(0), dst=spmd.S(1))
     """
+    if is_dtensor(x):
+        return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim)
     begun = begin("all_to_all", x, axis, src, dst)
     comm, opname, ndim = begun.comm, begun.opname, x.dim()
     concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
@@ -235,6 +355,8 @@ def redistribute(
         y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
         z = spmd.redistribute(x, spmd.PartitionSpec(("dp", "tp")), spmd.PartitionSpec(("tp", "dp")))
     """
+    if is_dtensor(x):
+        return interop().typed_op(redistribute, x, axis, src=src, dst=dst, sizes=sizes)
     if dst_spec is not None:
         return redistribute_spec(x, axis, dst_spec, src_partial=src_partial, dst_partial=dst_partial)
     if src is None or dst is None:

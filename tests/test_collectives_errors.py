@@ -134,8 +134,10 @@ def test_all_to_all_needs_dims(mesh):
 
 
 def test_bad_reduce_op(mesh):
-    err = _raises(ValueError, all_reduce, torch.ones(4), "tp", op="max")
-    assert str(err) == "spmd.all_reduce: op must be 'sum' or 'avg', got 'max'"
+    err = _raises(ValueError, all_reduce, torch.ones(4), "tp", op="prod")
+    assert str(err) == "spmd.all_reduce: op must be 'sum', 'avg', 'max' or 'min', got 'prod'"
+    err = _raises(ValueError, reduce_scatter, torch.ones(4), "tp", op="max")
+    assert str(err) == "spmd.reduce_scatter: op must be 'sum' or 'avg', got 'max'"
 
 
 def test_sizes_of_wrong_length(mesh):
