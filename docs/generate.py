@@ -14,7 +14,7 @@ import sys
 import spmd_types as spmd
 from spmd_types._collectives import EXTREME_ROWS
 from spmd_types._op_registry import _resolve
-from spmd_types._rules_table import ROWS, RuleKind
+from spmd_types._rules_table import FUSED_OPTIMIZERS, ROWS, RuleKind
 from spmd_types._transitions import ROUTE, TRANSITIONS, find
 from spmd_types._types import I, P, R, V
 
@@ -69,7 +69,41 @@ def rules_page() -> str:
     for row in ROWS:
         names = ", ".join(f"`{n.lstrip('?')}`" for n in row.names if _resolve(n.lstrip("?"))[0] is not None)
         lines.append(f"| {names} | {row.kind.value} | {_algebra(row)} | {row.reason} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _multi_tensor_section()) + "\n"
+
+
+def _multi_tensor_section() -> list[str]:
+    """The multi-tensor (``torch._foreach_*``) and fused optimizer kernels."""
+    import torch
+
+    from spmd_types._foreach import single_form
+
+    lines = [
+        "",
+        "## Multi-tensor and fused optimizer kernels",
+        "",
+        "`torch._foreach_X(lists...)` runs one op per element; element i is checked by the row of the op's",
+        "single-tensor form on element i of every list argument (a number or a single tensor is shared by",
+        "all elements), so each result element gets its own type. A gradient that is still P (a pending sum)",
+        "gets an error naming its parameter and the missing all-reduce.",
+        "",
+        "| kernel | element checked as |",
+        "|---|---|",
+    ]
+    for name in sorted(n for n in dir(torch) if n.startswith("_foreach_")):
+        entry = single_form(name)
+        form = f"`{_display(entry)}`" if entry.known else "not in the table: non-linear"
+        lines.append(f"| `torch.{name}` | {form} |")
+    row = FUSED_OPTIMIZERS
+    names = ", ".join(f"`{n.lstrip('?')}`" for n in row.names if _resolve(n.lstrip("?"))[0] is not None)
+    lines += ["", "| fused kernels | kind | why |", "|---|---|---|", f"| {names} | {row.kind.value} | {row.reason} |"]
+    return lines
+
+
+def _display(entry) -> str:
+    from spmd_types._op_registry import entry_for
+
+    return entry_for(entry.func).display
 
 
 # ---------------------------------------------------------------------------

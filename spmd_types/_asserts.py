@@ -13,7 +13,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 import torch
 
 from ._errors import Rejection, op_error
+from ._foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from ._mesh import Axis, current_mesh, resolve_axis
+from ._optim_checks import name_parameters
 from ._spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from ._state import STATE
 from ._tensor import make_typed, type_in_place
@@ -138,6 +140,7 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
         for member in list(t.parameters()) + list(t.buffers()):
             _type_or_check(member, *_placed(member, types, None), in_place=True)
+        name_parameters(t)  # error messages about a gradient can then name its parameter
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")

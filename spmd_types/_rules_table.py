@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["RuleKind", "Row", "ROWS"]
+__all__ = ["RuleKind", "Row", "ROWS", "FOREACH_FORMS", "FUSED_OPTIMIZERS"]
 
 
 class RuleKind(enum.Enum):
@@ -243,4 +243,26 @@ ROWS: tuple[Row, ...] = (
          "?Tensor._backward_hooks.__set__", "?Tensor.name.__set__"),
         RuleKind.METADATA, "reads or sets autograd state: a stored gradient keeps the type it was given "
         "(the backward type of its tensor's), and setting an attribute computes nothing"),
+)
+
+# ---- multi-tensor kernels ------------------------------------------------------
+# torch._foreach_X(lists...) runs one op per element: element i is checked as the
+# op's single-tensor form on element i of every list argument (a Python number or a
+# single tensor is shared by all elements), so it gets that form's row above. The
+# single form of torch._foreach_X_ is Tensor.X_ (torch.X, in place, where Tensor has
+# no X_), of torch._foreach_X it is torch.X; these are the exceptions:
+FOREACH_FORMS: dict[str, str] = {
+    "_foreach_norm": "torch.linalg.vector_norm",
+    "_foreach_max": "torch.amax",
+}
+
+# The fused optimizer kernels update every parameter in place from its gradient and
+# its optimizer state: one non-linear function of all of them per parameter, whose
+# result must keep the parameter's type (a P gradient gets the error naming the
+# parameter and the missing gradient sync).
+FUSED_OPTIMIZERS = Row(
+    ("torch._fused_sgd_", "torch._fused_adam_", "torch._fused_adamw_", "?torch._fused_adagrad_"),
+    NL, "an optimizer update is a non-linear function of the parameter, its gradient and its state; "
+    "it writes the parameter in place, so it cannot change the parameter's type",
+    params=("param", "grad", "state"),
 )

@@ -16,6 +16,7 @@ import torch
 from ._errors import Rejection, SpmdTypeError, op_error, user_source_line
 from ._mesh import current_mesh
 from ._op_registry import ENTRIES, OpEntry, entry_for
+from ._optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from ._rules import infer
 from ._rules_table import RuleKind
 from ._shard_rules import explain_failure, propagate
@@ -29,15 +30,14 @@ _DisableTF = torch._C.DisableTorchFunctionSubclass
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _tf_enabled = torch._C._is_torch_function_enabled
 
-# Metadata queries, and the optimizers' multi-tensor kernels: they update each
-# parameter in place with its own gradient and never change a type (see docs/index.md).
-_OPTIMIZER_KERNELS = {getattr(torch, n) for n in dir(torch) if n.startswith(("_foreach_", "_fused_"))}
-# torch.autograd.grad computes gradients, whose types follow by duality: nothing to check.
+# Metadata queries; torch.autograd.grad computes gradients, whose types follow by duality.
 _UNCHECKED = (
     frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA)
-    | _OPTIMIZER_KERNELS
     | {torch.autograd.grad, torch.autograd.backward}
 )
+# Ops typed elsewhere: func -> handler(func, args, kwargs). _foreach.py registers the
+# multi-tensor (torch._foreach_*) and fused optimizer (torch._fused_*) kernels.
+HANDLERS: dict[Any, Any] = {}
 _BACKWARD = torch.Tensor.backward
 _PASSTHROUGH = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.PASSTHROUGH)
 _PLAIN = object()
@@ -82,6 +82,9 @@ class LTensor(torch.Tensor):
             kwargs = {}
         if not STATE.checking or func in _UNCHECKED:
             return _run(func, args, kwargs)
+        handler = HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
         return _typed_call(func, args, kwargs)
 
     __hash__ = torch.Tensor.__hash__
@@ -390,6 +393,9 @@ def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
     entry = entry_for(func)
     result = infer(entry, args, kwargs, STATE.strict)
     if isinstance(result, Rejection):
+        found = unsynced_grad(args, kwargs)  # a forgotten gradient sync: name the parameter
+        if found is not None:
+            raise SpmdTypeError(unsynced_grad_rejection(entry.display, *found), user_source_line())
         raise op_error(result, getattr(func, "__name__", ""), entry.row.params)
     dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
     if dest is not None and result is not None:
@@ -481,3 +487,4 @@ def _type_grad(param: torch.Tensor) -> None:
     if type(grad) not in _TYPED_CLASSES:
         grad.__class__ = _typed_class_for(grad)
     grad._spmd_types = types.backward()
+    mark_grad(grad, param)
