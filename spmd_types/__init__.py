@@ -42,3 +42,20 @@ __all__ = [
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
     "sum", "linear", "matmul", "einsum", "local_map", "plan_redistribute",
 ]
+
+# DTensor interop (spmd_types/interop): loaded on first use, so `import spmd_types` never imports DTensor.
+_INTEROP = {
+    "Reduced": "placements", "is_reduced": "placements", "placement_to_type": "placements",
+    "type_to_placement": "placements", "placement_to_cotangent": "placements", "spec_to_cotangent": "placements",
+    "from_dtensor": "dtensor", "to_dtensor": "dtensor",
+}
+__all__ += list(_INTEROP)
+
+
+def __getattr__(name: str):
+    module = _INTEROP.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spmd_types' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".interop.{module}", __name__), name)

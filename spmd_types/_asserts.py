@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
+from ._dtensor_hook import interop, is_dtensor
 from ._errors import Rejection, op_error
 from ._foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from ._mesh import Axis, current_mesh, resolve_axis
@@ -142,6 +143,8 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             _type_or_check(member, *_placed(member, types, None), in_place=True)
         name_parameters(t)  # error messages about a gradient can then name its parameter
         return t
+    if is_dtensor(t):
+        return interop().assert_dtensor(t, types, partition_spec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")
     want, spec = _placed(t, types, partition_spec)

@@ -97,7 +97,8 @@ def all_reduce(
         row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
     """
     if is_dtensor(x):
-        return interop().typed_op(all_reduce, x, axis, src=(V if op in EXTREME_OPS else P) if src is None else src, dst=dst, op=op)
+        src = (V if op in EXTREME_OPS else P) if src is None else src
+        return interop().typed_op(all_reduce, x, axis, src=src, dst=dst, op=op)
     if op in EXTREME_OPS:
         return _all_reduce_extreme(x, axis, V if src is None else src, dst, op)
     if op not in ("sum", "avg"):

@@ -14,6 +14,7 @@ import torch
 
 from . import _comm_impl as impl
 from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
+from ._dtensor_hook import interop, is_dtensor
 from ._types import I, P, R, SpmdType, V, base_type
 
 __all__ = ["reinterpret", "convert"]
@@ -37,6 +38,8 @@ def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> 
 
         out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
     """
+    if is_dtensor(x):
+        return interop().typed_op(reinterpret, x, axis, src=src, dst=dst)
     begun = begin("reinterpret", x, axis, src, dst)
     return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm), x)
 
@@ -74,6 +77,8 @@ def convert(
 
         w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
     """
+    if is_dtensor(x):
+        return interop().typed_op(convert, x, axis, src=src, dst=dst, sizes=sizes)
     begun = begin("convert", x, axis, src, dst)
     src, dst, comm = begun.src, begun.dst, begun.comm
     sizes = check_sizes(begun.opname, sizes, comm)

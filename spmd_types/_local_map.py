@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from ._asserts import _compatible, _placed, assert_type
+from ._dtensor_hook import interop, is_dtensor
 from ._errors import Rejection, op_error
 from ._mesh import Axis, require_mesh, resolve_axis
 from ._state import STATE
@@ -49,6 +50,8 @@ def local_map(
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if any(is_dtensor(a) for a in args):
+                return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
             if not STATE.checking:
                 return f(*args, **kwargs)
             mesh = require_mesh("local_map")

@@ -1,0 +1,106 @@
+"""Reduced propagation on ordinary DTensor ops, with torch left unmodified.
+
+DTensor's sharding rules know ``Replicate`` but not ``Reduced``, and torch
+cannot be changed here, so a DTensor that has a ``Reduced()`` placement is a
+:class:`ReducedDTensor`, a DTensor subclass that
+
+1. computes every op as DTensor would with ``Reduced`` read as ``Replicate``
+   (the data layout is the same; ``__torch_dispatch__`` hands DTensor a base
+   DTensor whose spec says ``Replicate()``), and
+2. re-attaches ``Reduced`` on the outputs (``__torch_function__``, after the
+   op ran): on each mesh dim where *every* DTensor input is ``Reduced`` and the
+   output came out ``Replicate()``, the output is ``Reduced()``.
+
+Rule 2 is seed 001's intersection rule, not seed 000's "inputs must agree"
+(which raises). Seed 003 types R (Reduced) and I (Replicate) differently only
+in backward: R's gradient is P, I's is I, and I never mixes with R because an
+R+I result of type R would need an all-reduce in backward to hand the I input
+its I gradient. Typing the result I (Replicate) needs none: the R input's
+gradient I -> P is a local ``convert`` (DTensor's Replicate -> Partial). So
+the intersection rule never adds backward communication, and never raises
+on a program DTensor accepts. Unary ops keep ``Reduced``; ``Reduced`` with
+``Shard`` gives what DTensor gives (``Shard``: op(R, V) -> V); matmul of two
+``Reduced`` operands stays ``Reduced`` (seed 001).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.utils import _pytree as pytree
+
+from .placements import Reduced, strip_reduced
+
+__all__ = ["ReducedDTensor", "as_reduced_class", "plain_dtensor", "reduced_dims"]
+
+
+def _replace_spec(spec: DTensorSpec, placements: tuple) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+
+def plain_dtensor(t: DTensor) -> DTensor:
+    """A base-class DTensor alias of ``t`` with ``Reduced`` read as ``Replicate`` (no autograd link)."""
+    placements = strip_reduced(t._spec.placements)
+    if type(t) is DTensor and placements == t._spec.placements:
+        return t
+    return DTensor(t._local_tensor.detach(), _replace_spec(t._spec, placements), requires_grad=False)  # type: ignore[call-arg]
+
+
+def reduced_dims(t: Any) -> frozenset[int]:
+    """The mesh dims on which DTensor ``t`` is ``Reduced``."""
+    return frozenset(i for i, p in enumerate(t._spec.placements) if isinstance(p, Reduced))
+
+
+def as_reduced_class(t: DTensor, dims: frozenset[int]) -> DTensor:
+    """Give fresh DTensor ``t`` ``Reduced()`` on ``dims`` where it is ``Replicate()`` (in place; returns ``t``)."""
+    placements = list(t._spec.placements)
+    changed = False
+    for d in dims:
+        p = placements[d]
+        if isinstance(p, Replicate) and not isinstance(p, Reduced):
+            placements[d] = Reduced()
+            changed = True
+    if changed:
+        t._spec = _replace_spec(t._spec, tuple(placements))
+        if type(t) is DTensor:
+            t.__class__ = ReducedDTensor
+    return t
+
+
+class ReducedDTensor(DTensor):
+    """A DTensor with at least one ``Reduced()`` placement; ops propagate ``Reduced`` (module docstring).
+
+    Made by :func:`spmd_types.to_dtensor` and the typed collectives; not
+    constructed by hand.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dims: frozenset[int] | None = None
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, DTensor):
+                mine = reduced_dims(a)
+                dims = mine if dims is None else dims & mine
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if not dims:
+            return out
+        inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)}
+        for o in pytree.tree_leaves(out):
+            # An in-place op returns its input: that tensor keeps its own placements.
+            if isinstance(o, DTensor) and id(o) not in inputs:
+                as_reduced_class(o, dims)
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t: Any) -> Any:
+            return plain_dtensor(t) if isinstance(t, DTensor) else t
+
+        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
