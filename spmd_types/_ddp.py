@@ -60,9 +60,8 @@ def register_ddp(model: Any, axis: Axis = "dp", *, op: str = "avg") -> Any:
     name, group = _axis_group(axis)
     if group is not model.process_group:
         raise ValueError(
-            f"spmd.register_ddp: axis '{name}' has process group {group.group_name!r}, but this DDP model "
-            f"all-reduces over {model.process_group.group_name!r}; build DDP with "
-            f"process_group=<the '{name}' group>"
+            f"spmd.register_ddp: this DDP model all-reduces over another process group than axis '{name}'; "
+            f"build it with DistributedDataParallel(model, process_group=<the '{name}' group>)"
         )
     for pname, p in model.module.named_parameters():
         _check_param(pname, p, name)
@@ -114,11 +113,11 @@ def _typed_allreduce_hook(state: _HookState, bucket):  # noqa: ANN001, ANN201
         buffer.div_(state.group.size())
     fut = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()  # type: ignore[union-attr]
 
-    def typed(done: torch.futures.Future) -> torch.Tensor:
+    def typed(_: torch.futures.Future) -> torch.Tensor:
         for p in params:
             types = getattr(p, "_spmd_types", None)
             if types is not None and p.grad is not None and state.axis in types:
                 type_in_place(p.grad, types.backward().replace(state.axis, R))
-        return done.value()[0]
+        return buffer  # all_reduce works in place
 
     return fut.then(typed)

@@ -299,3 +299,217 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
             dist.destroy_process_group()
         except Exception:
             record(key="__worker__", error=traceback.format_exc(), checked=[], seconds=0.0)
+
+
+# ---------------------------------------------------------------------------
+# Data parallel three ways (issue 9): a dp=4 mesh, two SGD steps each, against one device.
+#
+# * ``dp_allreduce``: parameters R on dp; after backward each gradient (P) is all-reduced to R.
+# * ``dp_zero``: parameters R on dp; each gradient is reduce-scattered to a dp shard (S(0)), the
+#   shard is updated, and the updated shards are all-gathered back into the parameter (ZeRO-2).
+# * ``dp_ddp``: torch DistributedDataParallel with ``spmd.register_ddp``: gradients come out R.
+#   Then a backward under ``no_sync()`` leaves P gradients, and a step using them is rejected.
+# * ``dp_fsdp``: every parameter a dp shard (S(0)), gathered to R for the forward; backward
+#   reduce-scatters each gradient into its shard.
+#
+# The loss is averaged over dp with ``all_reduce(..., op="avg")`` (DDP: the hook averages).
+
+DP_PROGRAMS = ("dp_allreduce", "dp_zero", "dp_ddp", "dp_fsdp")
+DP_STEPS, DP_LR, DP_BATCH = 2, 0.1, 8
+
+
+def _dp_model() -> torch.nn.Module:
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(HIDDEN, FFN), torch.nn.Tanh(), torch.nn.Linear(FFN, HIDDEN))
+
+
+def _dp_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(12)
+    return [torch.randn(DP_BATCH, HIDDEN, generator=g) for _ in range(DP_STEPS)]
+
+
+def _dp_reference() -> dict:
+    """Losses, gradients per step and final parameters of plain SGD on one device with the full batch."""
+    model = _dp_model()
+    out: dict = {"losses": [], "grads": [], "params": {}}
+    for x in _dp_batches():
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        out["losses"].append(loss.detach())
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= DP_LR * p.grad
+                p.grad = None
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _dp_local_batch(x: torch.Tensor, mesh, typed: bool) -> torch.Tensor:
+    x = _shard(x, [("dp", 0)], mesh)
+    return spmd.assert_type(x, {"dp": S(0)}) if typed else x
+
+
+def _expect_types(grads: dict, want: dict | None) -> None:
+    for n, g in grads.items():
+        if spmd.get_type(g) != want:
+            raise AssertionError(f"grad of {n}: type {spmd.get_type(g)}, expected {want}")
+
+
+def _dp_record(out: dict, loss: torch.Tensor, grads: dict, layout: Layout, mesh) -> None:
+    out["losses"].append(_plain(loss))
+    out["grads"].append({n: _unshard(_plain(g), layout, mesh) for n, g in grads.items()})
+
+
+def dp_allreduce(mesh, typed: bool) -> dict:
+    """(a) Parameters R on dp; ``p.grad = all_reduce(p.grad, src=P, dst=R)`` after backward."""
+    model, out = _dp_model(), {"losses": [], "grads": []}
+    with _checking(typed):
+        spmd.assert_type(model, {"dp": R})
+        opt = torch.optim.SGD(model.parameters(), lr=DP_LR)
+        for x in _dp_batches():
+            x = _dp_local_batch(x, mesh, typed)
+            loss = spmd.all_reduce(model(x).pow(2).mean(), "dp", src=V, dst=I, op="avg")
+            loss.backward()
+            for p in model.parameters():
+                p.grad = spmd.all_reduce(p.grad, "dp", src=P, dst=R)
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            _expect_types(grads, {"dp": R} if typed else None)
+            _dp_record(out, loss, grads, [], mesh)
+            opt.step()
+            opt.zero_grad()
+    out["params"] = {n: _plain(p) for n, p in model.named_parameters()}
+    return out
+
+
+def dp_zero(mesh, typed: bool) -> dict:
+    """(a, ZeRO) Parameters R on dp; gradients reduce-scattered to S(0), shards updated, then all-gathered."""
+    model, out = _dp_model(), {"losses": [], "grads": []}
+    with _checking(typed):
+        spmd.assert_type(model, {"dp": R})
+        for x in _dp_batches():
+            x = _dp_local_batch(x, mesh, typed)
+            loss = spmd.all_reduce(model(x).pow(2).mean(), "dp", src=V, dst=I, op="avg")
+            loss.backward()
+            grads = {n: spmd.reduce_scatter(p.grad, "dp", src=P, dst=S(0)) for n, p in model.named_parameters()}
+            _expect_types(grads, {"dp": S(0)} if typed else None)
+            _dp_record(out, loss, grads, [("dp", 0)], mesh)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    shard = spmd.convert(p, "dp", src=R, dst=S(0)) - DP_LR * grads[n]  # this rank's rows only
+                    p.copy_(spmd.all_gather(shard, "dp", src=S(0), dst=R))
+                    p.grad = None
+    out["params"] = {n: _plain(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _dp_no_sync_is_caught(ddp, model, x: torch.Tensor) -> None:
+    """A backward under no_sync() leaves P gradients (no hook ran); a step that uses them is rejected."""
+    with ddp.no_sync():
+        ddp(x).pow(2).mean().backward()
+    _expect_types({n: p.grad for n, p in model.named_parameters()}, {"dp": P})
+    p = next(model.parameters())
+    try:
+        with torch.no_grad():
+            p -= DP_LR * p.grad
+    except spmd.SpmdTypeError as err:
+        if "A pending sum (P) can only be added to another pending sum" not in str(err):
+            raise
+    else:
+        raise AssertionError("a step with the unsynced (P) gradient was accepted")
+    for q in model.parameters():
+        q.grad = None
+
+
+def dp_ddp(mesh, typed: bool) -> dict:
+    """(b) DistributedDataParallel with spmd.register_ddp: the hook averages and types the gradients R."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, out = _dp_model(), {"losses": [], "grads": []}
+    with _checking(typed):
+        spmd.assert_type(model, {"dp": R})
+        ddp = spmd.register_ddp(DistributedDataParallel(model, process_group=mesh.get_group("dp")), "dp")
+        opt = torch.optim.SGD(model.parameters(), lr=DP_LR)
+        for x in _dp_batches():
+            x = _dp_local_batch(x, mesh, typed)
+            local = ddp(x).pow(2).mean()  # this rank's loss: V on dp
+            local.backward()  # the hook all-reduces (avg): the gradient of the dp-averaged loss
+            loss = spmd.all_reduce(local.detach(), "dp", src=V, dst=I, op="avg")
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            _expect_types(grads, {"dp": R} if typed else None)
+            _dp_record(out, loss, grads, [], mesh)
+            opt.step()
+            opt.zero_grad()
+        if typed:
+            _dp_no_sync_is_caught(ddp, model, x)
+    out["params"] = {n: _plain(p) for n, p in model.named_parameters()}
+    return out
+
+
+def dp_fsdp(mesh, typed: bool) -> dict:
+    """(c) Parameters are dp shards S(0), all-gathered to R for the forward; backward reduce-scatters."""
+    model, out = _dp_model(), {"losses": [], "grads": []}
+    shards = {n: torch.nn.Parameter(_shard(p.detach(), [("dp", 0)], mesh)) for n, p in model.named_parameters()}
+    with _checking(typed):
+        for s in shards.values():
+            spmd.assert_type(s, {"dp": S(0)})
+        opt = torch.optim.SGD(shards.values(), lr=DP_LR)
+        for x in _dp_batches():
+            x = _dp_local_batch(x, mesh, typed)
+            full = {n: spmd.all_gather(s, "dp", src=S(0), dst=R) for n, s in shards.items()}
+            y = torch.func.functional_call(model, full, (x,))
+            loss = spmd.all_reduce(y.pow(2).mean(), "dp", src=V, dst=I, op="avg")
+            loss.backward()
+            grads = {n: s.grad for n, s in shards.items()}
+            _expect_types(grads, {"dp": S(0)} if typed else None)
+            _dp_record(out, loss, grads, [("dp", 0)], mesh)
+            opt.step()
+            opt.zero_grad()
+    out["params"] = {n: _unshard(_plain(s), [("dp", 0)], mesh) for n, s in shards.items()}
+    return out
+
+
+def run_dp_program(name: str, typed: bool, mesh) -> list[str]:
+    """Run one data-parallel recipe and compare losses, gradients and final parameters with one device."""
+    with spmd.set_current_mesh(mesh):
+        got = globals()[name](mesh, typed)
+    ref = _dp_reference()
+    for step, (loss, ref_loss) in enumerate(zip(got["losses"], ref["losses"])):
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m, s=step: f"loss, step {s}: {m}")
+    for step, (grads, ref_grads) in enumerate(zip(got["grads"], ref["grads"])):
+        for k, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[k], **TOL, msg=lambda m, k=k, s=step: f"grad {k}, step {s}: {m}")
+    for k, p in got["params"].items():
+        torch.testing.assert_close(p, ref["params"][k], **TOL, msg=lambda m, k=k: f"param {k}: {m}")
+    if len(got["losses"]) != DP_STEPS or len(got["grads"]) != DP_STEPS:
+        raise AssertionError(f"ran {len(got['losses'])} steps, expected {DP_STEPS}")
+    return ["loss", "grads", "params"]
+
+
+def dp_worker(rank: int, init_method: str, out_dir: str) -> None:
+    """One rank of a dp=4 mesh: every data-parallel recipe typed and erased, a JSON line per result."""
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    with open(path, "w") as out:
+        def record(**row) -> None:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+
+        try:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
+                                    timeout=datetime.timedelta(seconds=60))
+            mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+            for name in DP_PROGRAMS:
+                for mode in MODES:
+                    start, error, checked = time.perf_counter(), None, []
+                    try:
+                        checked = run_dp_program(name, mode == "typed", mesh)
+                    except Exception:
+                        error = traceback.format_exc()
+                    record(key=f"{name}-{mode}", error=error, checked=checked, seconds=time.perf_counter() - start)
+                    if not _agree(error is not None):
+                        record(key="__worker__", error=f"ranks disagree after {name}-{mode}; stopped", checked=[])
+                        return
+            dist.destroy_process_group()
+        except Exception:
+            record(key="__worker__", error=traceback.format_exc(), checked=[], seconds=0.0)
