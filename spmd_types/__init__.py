@@ -10,6 +10,7 @@ collectives whose backward is chosen by type.
 
 from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
 from ._collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
+from ._ddp import register_ddp
 from ._errors import SpmdTypeError
 from ._explicit import einsum, linear, matmul, sum
 from ._local import convert, reinterpret
@@ -41,6 +42,7 @@ __all__ = [
     "attach_boundary", "is_checking", "RuleKind", "get_partition_spec",
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
     "sum", "linear", "matmul", "einsum", "local_map", "plan_redistribute",
+    "register_ddp",
 ]
 
 # DTensor interop (spmd_types/interop): loaded on first use, so `import spmd_types` never imports DTensor.
