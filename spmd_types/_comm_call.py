@@ -22,11 +22,12 @@ from ._comm_impl import AxisComm
 from ._errors import Rejection, SpmdTypeError, user_source_line
 from ._mesh import current_mesh, resolve_axis
 from ._state import STATE
+from ._strict import untyped_input
 from ._tensor import _DisableTF, _run, _wrap, format_tensor_type
 from ._transitions import allowed, backward_of, find, route_call
 from ._types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value
 
-__all__ = ["Call", "dual", "run", "register", "begin", "finish", "resolve_comm", "norm_dim", "Begun"]
+__all__ = ["Call", "dual", "run", "register", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
 
 _REDUCE_OPS = ("sum", "avg")
 
@@ -183,13 +184,26 @@ def begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str = "sum") -
     table_src = P if (op in _PRE_REDUCE and src.is_varying) else src
     if find(op, table_src, dst) is None:
         _reject_transition(op, opname, comm, src, dst)
-    types = getattr(x, "_spmd_types", None) if STATE.checking else None
-    if types is not None:
-        for name in comm.names:
-            have = types.get(name)
-            if not _compatible(have, src):
-                _reject_src(opname, x, types, comm, name, have, src, dst)
-    return Begun(opname, src, dst, comm, types)
+    return Begun(opname, src, dst, comm, check_input(opname, x, comm, src, dst))
+
+
+def check_input(opname: str, x: torch.Tensor, comm: AxisComm, src: SpmdType, dst: SpmdType) -> TypeMap | None:
+    """``x``'s types (None when checking is off or ``x`` is plain), checked against ``src`` on the axes.
+
+    In strict mode a plain ``x`` is an error: its ``src=`` could not be checked.
+    """
+    if not STATE.checking:
+        return None
+    types = getattr(x, "_spmd_types", None)
+    if types is None:
+        if STATE.strict:
+            raise untyped_input(opname, _call_text(opname, comm, src, dst), comm.names, src)
+        return None
+    for name in comm.names:
+        have = types.get(name)
+        if not _compatible(have, src):
+            _reject_src(opname, x, types, comm, name, have, src, dst)
+    return types
 
 
 def _call_text(opname: str, comm: AxisComm, src: SpmdType, dst: SpmdType) -> str:
@@ -262,17 +276,21 @@ def unwrap(x: torch.Tensor) -> torch.Tensor:
 
 def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:
     """Run ``call`` on ``x`` and type the result when the input was typed under checking."""
-    out = run(call, unwrap(x))
+    return type_result(begun, x, run(call, unwrap(x)))
+
+
+def type_result(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Give plain ``out`` (the op's result on ``x``) its type, when ``x`` was typed under checking."""
     types = begun.types
     if types is None:
         return out
-    for name in call.comm.names:
+    for name in begun.comm.names:
         types = types.replace(name, begun.dst)
     with _DisableTF():
         rank_changed = x.dim() != out.dim()
     if rank_changed:
         # A stack or unbind moves every dim: an S(d) on another axis now names the wrong dim.
-        types = TypeMap.of((a, V if (t.is_varying and a not in call.comm.names) else t) for a, t in types.items)
+        types = TypeMap.of((a, V if (t.is_varying and a not in begun.comm.names) else t) for a, t in types.items)
     spec = _global_spec(begun, x, out) if STATE.global_mode else None
     out = _wrap(out, types)
     if spec is not None:

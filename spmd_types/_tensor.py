@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._errors import Rejection, SpmdTypeError, op_error, user_source_line
+from ._function_guard import check_no_unregistered_function
 from ._mesh import current_mesh
 from ._op_registry import ENTRIES, OpEntry, entry_for
 from ._optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
@@ -22,6 +23,7 @@ from ._rules_table import RuleKind
 from ._shard_rules import explain_failure, propagate
 from ._spec import format_shape, short_dtype
 from ._state import STATE
+from ._strict import check_typed_root, typed_root
 from ._types import R, TypeMap
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
@@ -29,11 +31,12 @@ __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_t
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _tf_enabled = torch._C._is_torch_function_enabled
+_grad_enabled = torch.is_grad_enabled
 
 # Metadata queries; torch.autograd.grad computes gradients, whose types follow by duality.
 _UNCHECKED = (
     frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA)
-    | {torch.autograd.grad, torch.autograd.backward}
+    | {torch.autograd.grad}
 )
 # Ops typed elsewhere: func -> handler(func, args, kwargs). _foreach.py registers the
 # multi-tensor (torch._foreach_*) and fused optimizer (torch._fused_*) kernels.
@@ -80,7 +83,11 @@ class LTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if not STATE.checking or func in _UNCHECKED:
+        if not STATE.checking:
+            return _run(func, args, kwargs)
+        if not _grad_enabled():  # a custom Function's forward runs with grad mode off
+            check_no_unregistered_function()
+        if func in _UNCHECKED:
             return _run(func, args, kwargs)
         handler = HANDLERS.get(func)
         if handler is not None:
@@ -199,6 +206,8 @@ def _make_operator(name: str):
         if not STATE.checking or not _tf_enabled():
             with _DisableTF():
                 return base(self, other)
+        if not _grad_enabled():
+            check_no_unregistered_function()
         return _typed_call(base, (self, other), {})
 
     operator.__name__ = operator.__qualname__ = name
@@ -341,11 +350,13 @@ def _run_on_aliases(func, args, kwargs):
     op that returns an alias (in place) returns the typed object instead.
     """
     originals: dict[int, torch.Tensor] = {}
+    dest = _inplace_destination(func, args)
+    swapped = _swap_destination(dest) if dest is not None else []
 
     def alias(x: Any) -> Any:
         tp = type(x)
         base = _SWAP_BACK.get(tp)
-        if base is None:
+        if base is None or x is dest:
             return type(x)(alias(y) for y in x) if tp is list or tp is tuple else x
         x.__class__ = base
         try:
@@ -356,11 +367,41 @@ def _run_on_aliases(func, args, kwargs):
         originals[id(a)] = x
         return a
 
-    new_args = tuple(alias(a) for a in args)
-    new_kwargs = {k: alias(v) for k, v in kwargs.items()}
-    with _DisableTF():
-        out = func(*new_args, **new_kwargs)
+    try:
+        new_args = tuple(alias(a) for a in args)
+        new_kwargs = {k: alias(v) for k, v in kwargs.items()}
+        with _DisableTF():
+            out = func(*new_args, **new_kwargs)
+    finally:
+        for x, tp in swapped:
+            x.__class__ = tp
     return originals.get(id(out), out) if isinstance(out, torch.Tensor) else out
+
+
+def _inplace_destination(func, args) -> torch.Tensor | None:
+    """The typed wrapper an in-place op writes (its first operand), or None."""
+    if not args or type(args[0]) not in _SWAP_BACK:
+        return None
+    entry = ENTRIES.get(func)
+    inplace = entry.inplace if entry is not None else getattr(func, "__name__", "").endswith("_")
+    return args[0] if inplace else None
+
+
+def _swap_destination(dest: torch.Tensor) -> list[tuple[torch.Tensor, type]]:
+    """Give an in-place op's destination, and the base it views, their simulator classes for the call.
+
+    An in-place op on a view makes autograd replay the view on its base, and
+    the mode must meet its own class there: the destination is written as
+    itself (not through an alias), and its base is swapped too.
+    """
+    swapped = []
+    for x in (dest, dest._base):
+        tp = type(x)
+        base = _SWAP_BACK.get(tp)
+        if base is not None:
+            x.__class__ = base
+            swapped.append((x, tp))
+    return swapped
 
 
 def _wrap(out: Any, types: TypeMap) -> Any:
@@ -435,6 +476,17 @@ def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
 
 
 
+def _backward_from_typed_root(func, args, kwargs):
+    """``loss.backward()`` / ``torch.autograd.backward`` from a typed root: marked for strict mode's check."""
+    with typed_root():
+        if func is _BACKWARD:
+            return _typed_call(func, args, kwargs)
+        return _run_swapped(func, args, kwargs) if _dispatch_depth() else _run(func, args, kwargs)
+
+
+HANDLERS[_BACKWARD] = HANDLERS[torch.autograd.backward] = _backward_from_typed_root
+
+
 def _check_backward_root(args, kwargs) -> None:
     root = args[0]
     types = getattr(root, "_spmd_types", None)
@@ -482,6 +534,8 @@ def type_in_place(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
 def _type_grad(param: torch.Tensor) -> None:
     grad = param.grad
     types = getattr(param, "_spmd_types", None)
+    if types is not None:
+        check_typed_root(param, types)  # strict mode: no backward from an untyped loss
     if grad is None or types is None or getattr(grad, "_spmd_types", None) is types.backward():
         return
     if type(grad) not in _TYPED_CLASSES:

@@ -17,14 +17,18 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from typing import Any, Callable, Iterator, Literal, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._types import I, P, R, SpmdType, V, backward_type
 
-__all__ = ["CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks", "random_value", "simulate"]
+__all__ = [
+    "CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks", "random_value", "simulate",
+    "verify_registration", "VerifyReport",
+]
 
 # ``_c10d_functional`` op name -> the short name the counter reports.
 _SHORT = {
@@ -33,12 +37,23 @@ _SHORT = {
     "all_gather_into_tensor_out": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+    # the in-place ``c10d`` ops that raw ``torch.distributed`` collectives run
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
+    "_allgather_base_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "reduce_": "reduce", "gather_": "gather",
+    "scatter_": "scatter", "recv_": "recv", "recv_any_source_": "recv",
 }
-_SKIP = ("wait_tensor", "_wrap_tensor_autograd")
+_COMM_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+_SKIP = ("wait_tensor", "_wrap_tensor_autograd", "check_for_nan")
 
 
 class CommCounter(TorchDispatchMode):
-    """Count functional collectives by kind: ``{"all_reduce": 1, "reduce_scatter": 2}``.
+    """Count collectives by kind: ``{"all_reduce": 1, "reduce_scatter": 2}``.
+
+    Functional collectives (what the typed ops run) and the in-place ``c10d``
+    ops that raw ``torch.distributed`` collectives run are both counted.
 
     Counts what runs inside the ``with`` block, forward and backward. Under
     ``LocalTensorMode`` enter it *inside* that mode (outside it sees nothing).
@@ -67,7 +82,7 @@ class CommCounter(TorchDispatchMode):
         self._counts.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("_c10d_functional", "c10d_functional"):
+        if func.namespace in _COMM_NAMESPACES:
             name = func.overloadpacket.__name__
             if name not in _SKIP:
                 self._counts[_SHORT.get(name, name)] += 1
@@ -256,3 +271,197 @@ def _fake_world(size: int) -> bool:
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
     return True
+
+
+# ---------------------------------------------------------------------------
+# verify_registration: check a registered autograd Function's claim on simulated ranks
+#
+# A registration (``spmd.register_autograd_function``) tells the checker what a
+# hand-written autograd Function does. ``verify_registration`` runs the Function
+# on every rank of a simulated mesh with random inputs of the declared types:
+# ``op=`` claims: the output and the input gradients mean what the spmd op's do
+# (denotations equal), the adjoint identity holds, and the communication counts
+# are the op's, forward and backward; ``local=True``: no communication, R/I
+# outputs and I gradients the same on every rank; ``rule=``: outputs and input
+# gradients are values of their types.
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_registration` ran and counted."""
+
+    function: str
+    kind: str
+    forward_comms: dict[str, int] = field(default_factory=dict)
+    backward_comms: dict[str, int] = field(default_factory=dict)
+    out_types: dict[str, SpmdType] | None = None
+
+
+def verify_registration(
+    cls: type,
+    example_args: Sequence[Any],
+    *,
+    mesh: Any,
+    in_types: Sequence[Mapping[str, SpmdType]],
+    kwargs: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    rtol: float = 1e-5,
+    atol: float = 1e-5,
+) -> VerifyReport:
+    """Run registered ``cls`` on simulated ranks and check what its registration claims.
+
+    ``example_args`` are the Function's positional arguments; each tensor in
+    them gives the local shape and dtype (its values are replaced by random
+    per-rank values of the matching entry of ``in_types``, in order).
+    ``mesh`` is a ``DeviceMesh`` with named dims on a fake process group of the
+    same size (``LocalTensorMode`` simulates its ranks). Raises
+    ``AssertionError`` saying what disagrees; returns a :class:`VerifyReport`.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))  # on a fake process group
+        spmd.testing.verify_registration(
+            _ReduceFromModelParallelRegion, (torch.empty(4, 8), mesh.get_group()),
+            mesh=mesh, in_types=[{"tp": spmd.P}],
+        )
+    """
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from ._autograd_functions import registration_of
+
+    reg = registration_of(cls)
+    if reg is None:
+        raise ValueError(f"{cls.__qualname__} is not registered: call spmd.register_autograd_function first")
+    if reg.kind == "transparent":
+        raise ValueError(f"{cls.__qualname__} is registered transparent=True: its forward is checked op by op, "
+                         "and its backward must be the true derivative of its forward; there is no claim to verify")
+    kwargs = dict(kwargs or {})
+    with LocalTensorMode(mesh.size()):
+        return _verify(cls, reg, list(example_args), kwargs, mesh, list(in_types), seed, rtol, atol)
+
+
+def _verify(cls, reg, example_args, kwargs, mesh, in_types, seed, rtol, atol) -> VerifyReport:
+    import spmd_types as spmd
+
+    names = list(mesh.mesh_dim_names)
+    slots = [i for i, a in enumerate(example_args) if isinstance(a, torch.Tensor)]
+    if len(slots) != len(in_types):
+        raise ValueError(f"verify_registration: {len(slots)} tensor arguments but {len(in_types)} in_types")
+    full_types = [{a: t.get(a, spmd.V) for a in names} for t in in_types]
+    values = {}
+    for k, (i, types) in enumerate(zip(slots, full_types)):
+        like = example_args[i]
+        v = _random(mesh, types, tuple(like.shape), seed + k, like.dtype)
+        if v.is_floating_point():
+            v.requires_grad_(True)
+        values[i] = v
+    report = VerifyReport(f"{cls.__module__}.{cls.__qualname__}", reg.kind)
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        typed = {i: spmd.assert_type(v, full_types[k]) for k, (i, v) in enumerate(values.items())}
+        args = [typed.get(i, a) for i, a in enumerate(example_args)]
+        with CommCounter() as comms:
+            out = cls.apply(*args, **kwargs)
+        report.forward_comms = comms.counts
+        out_t = out[0] if isinstance(out, (tuple, list)) else out
+        out_types = spmd.get_type(out_t)
+        if out_types is None:
+            raise AssertionError(f"{cls.__qualname__}: the registered Function returned an untyped output")
+        report.out_types = dict(out_types)
+    _denote_or_fail(cls, "output", out_t, mesh, report.out_types)
+    grad_types = {a: backward_type(t) for a, t in report.out_types.items()}
+    g = _random(mesh, grad_types, tuple(out_t.shape), seed + 101, out_t.dtype)
+    leaves = [values[i] for i in slots if values[i].requires_grad]
+    with CommCounter() as comms:
+        grads = torch.autograd.grad(out_t, leaves, g, allow_unused=True) if leaves else ()
+    report.backward_comms = comms.counts
+    leaf_types = [full_types[k] for k, i in enumerate(slots) if values[i].requires_grad]
+    for gx, types in zip(grads, leaf_types):
+        if gx is not None:
+            _denote_or_fail(cls, "input gradient", gx, mesh, {a: backward_type(t) for a, t in types.items()})
+    if reg.kind == "local" and (report.forward_comms or report.backward_comms):
+        raise AssertionError(
+            f"{cls.__qualname__} is registered local=True (no communication), but it communicated: forward "
+            f"{report.forward_comms}, backward {report.backward_comms}"
+        )
+    if reg.kind == "op":
+        _compare_with_op(cls, reg, example_args, kwargs, slots, values, full_types, out_t, g, grads, report,
+                         mesh, rtol, atol)
+    return report
+
+
+def _random(mesh, types, shape, seed, dtype) -> torch.Tensor:
+    v = random_value(mesh, types, shape, seed)
+    if dtype.is_floating_point:
+        return v.to(dtype)
+    return (v * 4).abs().to(dtype)
+
+
+def _denote_or_fail(cls, what, t, mesh, types) -> torch.Tensor:
+    try:
+        return denote(t, mesh, types)
+    except AssertionError as err:
+        raise AssertionError(f"{cls.__qualname__}: its {what} is not a value of type {types}: {err}") from None
+
+
+def _compare_with_op(cls, reg, example_args, kwargs, slots, values, full_types, out_t, g, grads, report,
+                     mesh, rtol, atol) -> None:
+    import spmd_types as spmd
+
+    i = slots[0]
+    x = values[i].detach().requires_grad_(values[i].requires_grad)
+    axis = reg.axis(example_args, kwargs) if callable(reg.axis) and not isinstance(reg.axis, str) else reg.axis
+    if hasattr(axis, "group_name") and axis in _mesh_groups(mesh):
+        axis = _mesh_groups(mesh)[axis]
+    op = getattr(spmd, reg.op)
+    extra = {"op": reg.reduce} if reg.op in ("all_reduce", "reduce_scatter") else {}
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        xt = spmd.assert_type(x, full_types[0])
+        with CommCounter() as comms:
+            ref = op(xt, axis, src=reg.src, dst=reg.dst, **extra)
+        ref_fwd = comms.counts
+        ref_types = dict(spmd.get_type(ref))
+    if ref_types != report.out_types:
+        raise AssertionError(f"{cls.__qualname__}: output typed {report.out_types}, spmd.{reg.op} gives {ref_types}")
+    _close(denote(out_t, mesh, report.out_types), denote(ref, mesh, ref_types), rtol, atol,
+           f"{cls.__qualname__}: forward differs from spmd.{reg.op}")
+    if not x.requires_grad:
+        return
+    with CommCounter() as comms:
+        (ref_grad,) = torch.autograd.grad(ref, x, g)
+    ref_bwd = comms.counts
+    grad_types = {a: backward_type(t) for a, t in full_types[0].items()}
+    got = grads[0]
+    if got is None:
+        raise AssertionError(f"{cls.__qualname__}: no gradient reached its input, spmd.{reg.op} passes one")
+    _close(denote(got, mesh, grad_types), denote(ref_grad, mesh, grad_types), rtol, atol,
+           f"{cls.__qualname__}: input gradient differs from the backward of spmd.{reg.op}")
+    lhs, rhs = pair(out_t, g, mesh, report.out_types), pair(values[i], got, mesh, full_types[0])
+    _close(lhs, rhs, 1e-4, 1e-4, f"{cls.__qualname__}: the adjoint identity fails")
+    if (report.forward_comms, report.backward_comms) != (ref_fwd, ref_bwd):
+        raise AssertionError(
+            f"{cls.__qualname__} communicates differently from spmd.{reg.op}: forward {report.forward_comms} vs "
+            f"{ref_fwd}, backward {report.backward_comms} vs {ref_bwd}"
+        )
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    got, want = _one_copy(got), _one_copy(want)
+    with maybe_disable_local_tensor_mode():
+        if got.shape != want.shape or not torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol):
+            diff = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shapes"
+            raise AssertionError(f"{what}: got shape {list(got.shape)}, want {list(want.shape)}, largest difference "
+                                 f"{diff}")
+
+
+def _one_copy(t: torch.Tensor) -> torch.Tensor:
+    """A denotation computed under the simulation is the same on every rank: take one copy."""
+    if hasattr(t, "_local_tensors"):
+        values = rank_values(t)
+        return values[min(values)]
+    return t
+
+
+def _mesh_groups(mesh) -> dict:
+    return {mesh.get_group(n): n for n in mesh.mesh_dim_names}
