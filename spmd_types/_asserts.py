@@ -140,15 +140,56 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         if partition_spec is not None:
             raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
         for member in list(t.parameters()) + list(t.buffers()):
-            _type_or_check(member, *_placed(member, types, None), in_place=True)
+            if getattr(member, "_spmd_types", None) is not None:
+                _refine(member, types, None)
+            else:
+                _type_or_check(member, *_placed(member, types, None), in_place=True)
         name_parameters(t)  # error messages about a gradient can then name its parameter
         return t
     if is_dtensor(t):
         return interop().assert_dtensor(t, types, partition_spec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")
+    if getattr(t, "_spmd_types", None) is not None:
+        return _refine(t, types, partition_spec)  # type: ignore[return-value]
     want, spec = _placed(t, types, partition_spec)
     return _type_or_check(t, want, spec)  # type: ignore[return-value]
+
+
+def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
+    """Check typed ``t`` on the axes the assertion names (types or partition spec); leave the others alone.
+
+    Asserting ``S(d)`` on a V axis refines it: the tensor's type becomes
+    ``S(d)`` (same object; in global SPMD the partition spec gains the axis).
+    """
+    full, spec = _placed(t, types, partition_spec)
+    named = set(_resolve_types(types, "assert_type")) | (axes_of(spec) if spec is not None else set())
+    have: TypeMap = t._spmd_types  # type: ignore[attr-defined]
+    shown = have
+    for axis in named:
+        shown = shown.replace(axis, full[axis])
+    _check(have, shown, named)
+    refined = have
+    for axis in named:
+        w = full[axis]
+        if w.is_varying and w is not V and have.get(axis) is V:
+            refined = refined.replace(axis, w)
+    if refined is not have:
+        t._spmd_types = refined  # type: ignore[attr-defined]
+        if STATE.global_mode and spec is not None:
+            _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
+    if STATE.global_mode and spec is not None:
+        _check_spec(t, spec, named)
+    return t
+
+
+def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:
+    """Give ``t``'s partition spec the newly refined ``axes`` where ``spec`` places them."""
+    have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
+    placed = axes_of(have)
+    t._spmd_spec = tuple(  # type: ignore[attr-defined]
+        tuple(h) + tuple(a for a in e if a in axes and a not in placed) for h, e in zip(have, spec)
+    )
 
 
 def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None, in_place: bool = False) -> torch.Tensor:
@@ -179,9 +220,11 @@ def _check_layout(types: TypeMap, spec: Spec) -> None:
             "assert_type", ("x", "types"))
 
 
-def _check_spec(t: torch.Tensor, want: Spec) -> None:
+def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
     mesh = current_mesh()
     global_axes = mesh.global_axes(STATE.local_axes)
+    if named is not None:  # a refining assert looks at the axes it names only
+        global_axes = global_axes & named
     have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
     have_g = tuple(tuple(a for a in e if a in global_axes) for e in have)
     want_g = tuple(tuple(a for a in e if a in global_axes) for e in want)
@@ -217,8 +260,10 @@ def _compatible(have: SpmdType | None, want: SpmdType) -> bool:
     return have is not None and have.is_varying and want.is_varying and (have is V or want is V)
 
 
-def _check(have: TypeMap, want: TypeMap) -> None:
+def _check(have: TypeMap, want: TypeMap, named: set | None = None) -> None:
     for axis, w in want.items:
+        if named is not None and axis not in named:
+            continue
         h = have.get(axis)
         if _compatible(h, w):
             continue
