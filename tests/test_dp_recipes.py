@@ -111,6 +111,8 @@ def test_register_ddp_no_sync_leaves_p_and_a_step_is_rejected(ddp_on_fake):
         with pytest.raises(spmd.SpmdTypeError, match=r"^A pending sum \(P\) can only be added to another pending"):
             with torch.no_grad():
                 model.weight -= 0.1 * model.weight.grad
+        with pytest.raises(spmd.SpmdTypeError, match=r"^The gradient of parameter 'weight' f32\[4,4\] is a pending sum"):
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
         ddp(x).sum().backward()  # a synced backward after no_sync: the accumulated gradient is all-reduced
         assert spmd.get_type(model.weight.grad) == {"dp": spmd.R, "tp": spmd.I}
 
@@ -166,3 +168,18 @@ def test_register_ddp_checks_parameters_typed_after_it(ddp_on_fake):
             x = spmd.assert_type(torch.randn(3, 4), {"dp": spmd.I, "tp": spmd.I})
             with pytest.raises(TypeError, match=r"^spmd.register_ddp: parameter '(weight|bias)' is I on axis 'dp'"):
                 ddp(x).sum().backward()
+
+
+def test_recipe_a_without_the_gradient_all_reduce_is_rejected_at_the_step():
+    """docs/data_parallel.md (a): forget ``p.grad = all_reduce(p.grad, ...)`` and the optimizer step names p."""
+    from _gloo_programs import _dp_model
+
+    mesh = fake_mesh((4,), ("dp",))
+    model = _dp_model()
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        spmd.assert_type(model, {"dp": spmd.R})
+        x = spmd.assert_type(torch.randn(2, 8), {"dp": spmd.S(0)})
+        spmd.all_reduce(model(x).pow(2).mean(), "dp", src=spmd.V, dst=spmd.I, op="avg").backward()
+        assert {spmd.get_type(p.grad)["dp"] for p in model.parameters()} == {spmd.P}
+        with pytest.raises(spmd.SpmdTypeError, match=r"^The gradient of parameter '0\.weight' f32\[16,8\] is a pending"):
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
