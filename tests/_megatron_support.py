@@ -1,0 +1,261 @@
+"""Helpers for tests/test_megatron_core.py: a small Megatron-core GPTModel on CPU, typed and untyped.
+
+The two CPU accommodations (Megatron-core is written for CUDA) are applied by
+``accommodate_cpu(setattr)`` with the caller's patcher (pytest's
+``monkeypatch.setattr`` in tests, a restoring patcher in the gloo workers):
+``torch.cuda.current_device`` answers ``"cpu"`` (Megatron allocates its
+communication buffers with ``device=torch.cuda.current_device()``), and the
+CUDA RNG tracker's ``fork`` is a null context (dropout is 0 here). Megatron
+itself is never edited.
+
+The gloo worker (``worker``) builds GPTModel at tp=2 and tp=4, with and without
+sequence parallel, runs one forward+backward untyped and typed, reassembles the
+shards, and runs the same weights and batch on a tp=1 GPTModel; each rank
+writes the largest differences it saw to a JSON-lines file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import spmd_types as spmd
+
+VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 2, 8, 2
+WORLD = 4
+CONFIGS = ((2, False), (2, True), (4, False), (4, True))  # (tp, sequence_parallel) on 4 ranks
+
+
+def _null_fork(self, name: str = "") -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def accommodate_cpu(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The two CPU accommodations, applied with ``setattr_`` (e.g. ``monkeypatch.setattr``)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    setattr_(torch.cuda, "current_device", lambda: "cpu")
+    setattr_(mrandom.CudaRNGStatesTracker, "fork", _null_fork)
+
+
+class Patcher:
+    """``setattr`` that remembers and restores (monkeypatch for code outside pytest)."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any]] = []
+
+    def __call__(self, obj: Any, name: str, value: Any) -> None:
+        self.saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+        self.saved.clear()
+
+
+def init_parallel(tp: int, **kwargs: Any) -> None:
+    """(Re)initialize Megatron's parallel state on the current default process group."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False, **kwargs)
+
+
+def sp_layer_norm_class():
+    """A LayerNorm usable under sequence parallel (marks its parameters as Megatron's FusedLayerNorm does).
+
+    Megatron's local spec uses torch's LayerNorm through WrappedTorchNorm, which
+    refuses sequence parallel; FusedLayerNorm needs Apex. This is the user-side
+    norm a CPU user would plug into the spec.
+    """
+
+    class SPLayerNorm(torch.nn.LayerNorm):
+        def __init__(self, config, hidden_size, eps=1e-5, **_):
+            super().__init__(hidden_size, eps=eps)
+            for p in self.parameters():
+                p.sequence_parallel = config.sequence_parallel
+
+    return SPLayerNorm
+
+
+def gpt_config(tp: int, sp: bool = False, **overrides: Any):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    args = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, sequence_parallel=sp,
+                params_dtype=torch.float32)
+    args.update(overrides)
+    return TransformerConfig(**args)
+
+
+def build_gpt(tp: int, sp: bool = False, seed: int = 1234, **overrides: Any):
+    """GPTModel with the local layer spec (and a sequence-parallel LayerNorm when ``sp``)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    torch.manual_seed(seed)
+    config = gpt_config(tp, sp, **overrides)
+    spec = get_gpt_layer_local_spec()
+    if sp:
+        norm = sp_layer_norm_class()
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def make_batch(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
+    return {"tokens": tokens, "positions": positions, "labels": labels, "mask": mask}
+
+
+def typed_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch typed: a different micro-batch per dp rank, the same on every tp rank.
+
+    Token ids and labels are R on tp (they meet the vocab-sharded embedding and
+    loss), position ids I (they meet the replicated position embedding): integer
+    ids carry no gradient, so either is sound; the rules table does not yet
+    exempt integer operands from the I-only-with-I rule.
+    """
+    return {
+        "tokens": spmd.assert_type(batch["tokens"], {"dp": spmd.V, "tp": spmd.R}),
+        "positions": spmd.assert_type(batch["positions"], {"dp": spmd.V, "tp": spmd.I}),
+        "labels": spmd.assert_type(batch["labels"], {"dp": spmd.V, "tp": spmd.R}),
+        "mask": batch["mask"],
+    }
+
+
+def forward_backward(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One forward and backward of the per-token loss's sum; returns the loss (per token)."""
+    loss = model(batch["tokens"], batch["positions"], batch["mask"], labels=batch["labels"])
+    loss.sum().backward()
+    return loss
+
+
+def typed_step(model, batch: dict[str, torch.Tensor], mesh: dict) -> torch.Tensor:
+    """forward_backward inside typecheck, with the adapter's three calls."""
+    from spmd_types import megatron as spmd_megatron
+
+    spmd_megatron.register()
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        spmd_megatron.type_parameters(model)
+        return forward_backward(model, typed_inputs(batch))
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain detached copy (an LTensor's data as a torch.Tensor)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor(t.detach().clone()) if type(t) is not torch.Tensor else t.detach().clone()
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: plain(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------------------
+# the gloo worker
+
+
+def _gather_full(model, grads_: dict[str, torch.Tensor]) -> tuple[dict, dict, float]:
+    """Reassemble every parameter and its gradient over tp; the largest spread of an I gradient over tp."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    tp = ps.get_tensor_model_parallel_world_size()
+    full_w, full_g, spread = {}, {}, 0.0
+    for name, p in model.named_parameters():
+        w, g = plain(p), grads_[name]
+        if getattr(p, "tensor_model_parallel", False):
+            d = p.partition_dim
+            ws, gs = [torch.empty_like(w) for _ in range(tp)], [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(ws, w.contiguous(), group=group)
+            dist.all_gather(gs, g.contiguous(), group=group)
+            full_w[name], full_g[name] = torch.cat(ws, d), torch.cat(gs, d)
+        elif getattr(p, "sequence_parallel", False):  # R on tp: each rank holds a share of the gradient
+            total = g.clone()
+            dist.all_reduce(total, group=group)
+            full_w[name], full_g[name] = w, total
+        else:  # I on tp: every rank must hold the same gradient
+            gs = [torch.empty_like(g) for _ in range(tp)]
+            dist.all_gather(gs, g.contiguous(), group=group)
+            spread = max(spread, max(float((x - g).abs().max()) for x in gs))
+            full_w[name], full_g[name] = w, g
+    return full_w, full_g, spread
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def run_config(tp: int, sp: bool) -> dict[str, Any]:
+    """One (tp, sp) configuration on the current gloo world: typed vs untyped vs tp=1."""
+    from megatron.core import parallel_state as ps
+
+    from spmd_types import megatron as spmd_megatron
+
+    init_parallel(tp)
+    batch = make_batch(100 + ps.get_data_parallel_rank())
+    model = build_gpt(tp, sp)
+    loss_u = plain(forward_backward(model, batch))
+    grads_u = grads(model)
+    model.zero_grad(set_to_none=True)
+    loss_t_typed = typed_step(model, batch, spmd_megatron.mesh())
+    loss_t, grads_t = plain(loss_t_typed), grads(model)
+    full_w, full_g, spread = _gather_full(model, grads_t)
+    init_parallel(1)
+    ref = build_gpt(1, False)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(full_w[name])
+    loss_r = plain(forward_backward(ref, batch))
+    return {
+        "key": f"tp{tp}_sp{int(sp)}",
+        "loss_typed_vs_untyped": float((loss_t - loss_u).abs().max()),
+        "grad_typed_vs_untyped": _max_diff(grads_t, grads_u),
+        "loss_vs_tp1": float((loss_t - loss_r).abs().max()),
+        "grad_vs_tp1": _max_diff(full_g, grads(ref)),
+        "invariant_grad_spread": spread,
+        "loss_type": str(spmd.get_type(loss_t_typed)),
+        "n_params": len(grads_t),
+    }
+
+
+def worker(rank: int, init_method: str, out_dir: str) -> None:
+    """One gloo rank: every configuration in CONFIGS; one JSON line each (or the error)."""
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    patch = Patcher()
+    accommodate_cpu(patch)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
+    path = Path(out_dir) / f"rank{rank}.jsonl"
+    try:
+        for tp, sp in CONFIGS:
+            try:
+                row = run_config(tp, sp)
+            except Exception as err:  # recorded, so the test shows which configuration failed and why
+                row = {"key": f"tp{tp}_sp{int(sp)}", "error": f"{type(err).__name__}: {err}"}
+            with path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        patch.undo()
