@@ -10,7 +10,7 @@ turns it into an ``SpmdTypeError`` with the user's source line.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from ._errors import Rejection
 from ._op_registry import OpEntry
 from ._rules_table import RuleKind
+from ._state import STATE
 from ._types import I, P, R, SpmdType, TypeMap, V
 
 __all__ = ["Operand", "infer", "WEAK"]
@@ -39,6 +40,7 @@ class Operand:
     types: TypeMap | _Weak
     is_tensor: bool
     zero: bool = False  # a Python number equal to 0
+    grad: bool = False  # can carry a gradient: a tensor that requires grad, with grad mode on
 
     def on(self, axis: str) -> SpmdType | None:
         t = self.types
@@ -60,7 +62,7 @@ def types_of(x: Any) -> TypeMap | None:
 def _operand(label: str, value: Any) -> Operand | None:
     if isinstance(value, torch.Tensor):
         t = types_of(value)
-        return Operand(label, t if t is not None else WEAK, True)
+        return Operand(label, t if t is not None else WEAK, True, grad=value.requires_grad and torch.is_grad_enabled())
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return Operand(label, WEAK, False, _is_zero(value))
     return None
@@ -168,13 +170,55 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
     zero_fill = _fill_is_zero(entry, args, kwargs)
     terms, others = _structure(entry, bound, zero_fill)
     out: list[tuple[str, SpmdType]] = []
+    relaxed = False
     for axis in axes:
         result = _axis_type(entry, terms, others, operands, axis)
+        if isinstance(result, Rejection) and result.rule.startswith(_I_MIX_RULE):
+            again = _gradient_free(entry, terms, others, operands, axis)
+            if again is not None and not isinstance(again, Rejection):
+                result, relaxed = again, True
         if isinstance(result, Rejection):
             return result
         if result is not None:
             out.append((axis, result))
+    if relaxed:
+        STATE.gradient_free = True  # accepted only because some operands carry no gradient: not cacheable by types
     return TypeMap.of(out)
+
+
+# ---------------------------------------------------------------------------
+# values that carry no gradient (seed 003's I rule exists for the backward)
+
+
+def _gradient_free(entry, terms, others, operands, axis):
+    """The per-axis type when the I-mixing rule is relaxed for operands that carry no gradient.
+
+    Seed 003 keeps I apart from R, V and P because the backward would hand an
+    I operand a gradient that is not summed (or sum one twice). An operand
+    that carries no gradient (an integer tensor, one that does not require
+    grad, anything under ``torch.no_grad``) has no backward, and I and R hold
+    the same data, so it may be read as the other: a gradient-free I is read
+    as R; when a differentiable I operand is present, a gradient-free R is
+    read as I instead (the result is I, so its gradient reaches the I operand
+    whole). A gradient-free V still never meets a differentiable I.
+    """
+    grad_i = any(op.grad and op.on(axis) is I for op in operands)
+    swap: dict[int, Operand] = {}
+    for op in operands:
+        if op.grad or op.types is WEAK:
+            continue
+        t = op.on(axis)
+        new = R if (t is I and not grad_i) else I if (t is R and grad_i) else None
+        if new is not None:
+            swap[id(op)] = replace(op, types=op.types.replace(axis, new))  # type: ignore[union-attr]
+    if not swap:
+        return None
+
+    def sub(op: Operand) -> Operand:
+        return swap.get(id(op), op)
+
+    return _axis_type(entry, [[sub(o) for o in term] for term in terms], [sub(o) for o in others],
+                      [sub(o) for o in operands], axis)
 
 
 # ---------------------------------------------------------------------------
@@ -311,10 +355,13 @@ def _p_with_non_r(entry, operands, axis, p_op, other) -> Rejection:
     )
 
 
+_I_MIX_RULE = "Invariant (I) values only combine with other I values"
+
+
 def _i_mix(entry, operands, axis, inv, other) -> Rejection:
     t = other.on(axis)
     return Rejection(
-        f"Invariant (I) values only combine with other I values: {entry.display} combines "
+        f"{_I_MIX_RULE}: {entry.display} combines "
         f"{inv.label} (I) with {other.label} ({t}). Convert the I operand to R, so that its "
         "gradient is all-reduced in backward.",
         _seen(entry, operands, axis, f"{inv.label} is I and {other.label} is {t}"),

@@ -15,6 +15,8 @@ class _CheckState(threading.local):
     local_axes: frozenset = frozenset()
     # axes an explicit-partial op (spmd.sum(..., out_partial_axes=)) is about to make P
     out_partial: frozenset = frozenset()
+    # set by the rules when the last inference accepted a mix of I only because some operands carry no gradient
+    gradient_free: bool = False
 
 
 STATE = _CheckState()

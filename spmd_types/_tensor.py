@@ -129,8 +129,10 @@ def _typed_call(func, args, kwargs):
     cache = _CACHES[STATE.strict]
     out_types = cache.get(key, _MISSING)
     if out_types is _MISSING:
+        STATE.gradient_free = False
         out_types = _infer_or_raise(func, args, kwargs)
-        cache[key] = out_types
+        if not STATE.gradient_free:  # a gradient-free acceptance depends on more than types: not cached
+            cache[key] = out_types
     if STATE.global_mode and out_types is not None:
         try:
             out = _run(func, args, kwargs)
@@ -302,6 +304,8 @@ def _marker(a: Any) -> Any:
 
 def _run(func, args, kwargs):
     """Run ``func`` with subclass dispatch off (and typed wrappers of other subclasses unwrapped)."""
+    if func in _AUTOGRAD_RUNS:
+        return _run_backward(func, args, kwargs)
     if _dispatch_depth():
         if func in _UNCHECKED or func in _PASSTHROUGH:
             return _run_swapped(func, args, kwargs)
@@ -332,10 +336,42 @@ def _swap_to_base(args, kwargs) -> list[tuple[torch.Tensor, type]]:
 
 
 def _run_swapped(func, args, kwargs):
+    if func in _AUTOGRAD_RUNS:
+        return _run_backward(func, args, kwargs)
     swapped = _swap_to_base(args, kwargs)
     try:
         with _DisableTF():
             return func(*args, **kwargs)
+    finally:
+        for x, tp in swapped:
+            x.__class__ = tp
+
+
+_AUTOGRAD_RUNS = frozenset({_BACKWARD, torch.autograd.backward, torch.autograd.grad})
+
+
+def _run_backward(func, args, kwargs):
+    """Run a backward pass with subclass dispatch on, its typed arguments given their plain classes.
+
+    Python code the engine runs (checkpoint recomputation, hooks) is then checked
+    like any code, and under a dispatch mode it meets typed tensors through the
+    usual path instead of the mode meeting them raw.
+    """
+    swapped: list[tuple[torch.Tensor, type]] = []
+
+    def visit(x: Any) -> None:
+        tp = type(x)
+        if tp in _TYPED_CLASSES or tp in _SWAP_BACK:
+            x.__class__ = _SWAP_BACK.get(tp, torch.Tensor)
+            swapped.append((x, tp))
+        elif tp is list or tp is tuple:
+            for y in x:
+                visit(y)
+
+    for a in (*args, *kwargs.values()):
+        visit(a)
+    try:
+        return func(*args, **kwargs)
     finally:
         for x, tp in swapped:
             x.__class__ = tp

@@ -45,8 +45,9 @@ def x(mesh):
         torch.manual_seed(0)
         ns = SimpleNamespace(
             r=typed(torch.randn(4, 4), R),
-            i=typed(torch.randn(4, 4), I),
+            i=typed(torch.randn(4, 4, requires_grad=True), I),  # differentiable: I mixing matters for gradients
             v=typed(torch.randn(4, 4), V),
+            r_grad=typed(torch.randn(4, 4, requires_grad=True), R),  # R that needs a gradient: never meets I
             p=typed(torch.randn(4, 4), P),
             s0=typed(torch.randn(4, 4), S(0)),
             mask=typed(torch.rand(4, 4) > 0.5, R),

@@ -29,7 +29,7 @@ def test_operand_expressions(code, name, params, expected):
 
 def _error(mesh):
     with spmd.set_current_mesh(mesh), spmd.typecheck():
-        x = spmd.assert_type(torch.randn(2, 4), {"dp": spmd.V, "tp": spmd.I})
+        x = spmd.assert_type(torch.randn(2, 4, requires_grad=True), {"dp": spmd.V, "tp": spmd.I})
         w = spmd.assert_type(torch.randn(4, 4), {"dp": spmd.R, "tp": spmd.V})
         with pytest.raises(spmd.SpmdTypeError) as info:
             F.linear(x, w)

@@ -58,8 +58,8 @@ def env(mesh):
         yield
 
 
-def t(tp, shape=(4, 4), dp=R):
-    return spmd.assert_type(torch.randn(*shape), {"dp": dp, "tp": tp})
+def t(tp, shape=(4, 4), dp=R, grad=False):
+    return spmd.assert_type(torch.randn(*shape, requires_grad=grad), {"dp": dp, "tp": tp})
 
 
 def test_p_times_p(env):
@@ -170,7 +170,7 @@ torch.cosh is not linear in input, so input cannot be a pending sum (P). (torch.
 
 
 def test_invariant_mixed_with_replicate(env):
-    w, x = t(I), t(R)
+    w, x = t(I, grad=True), t(R, grad=True)
     with pytest.raises(spmd.SpmdTypeError) as err:
         w + x
     assert str(err.value) == pinned("""

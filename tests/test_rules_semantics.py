@@ -54,7 +54,7 @@ def test_p_plus_p_is_p(x):
     assert tp_type(torch.add(x.p, x.p, alpha=2)) is P
 
 
-@pytest.mark.parametrize("other", ["r", "v", "p"])
+@pytest.mark.parametrize("other", ["r_grad", "v", "p"])
 def test_invariant_never_mixes(x, other):
     with pytest.raises(spmd.SpmdTypeError):
         x.i + getattr(x, other)
@@ -64,7 +64,7 @@ def test_invariant_never_mixes(x, other):
 
 def test_invariant_with_r_names_the_fix(x):
     with pytest.raises(spmd.SpmdTypeError) as err:
-        x.i * x.r
+        x.i * x.r_grad
     assert "Invariant (I) values only combine with other I values" in err.value.rule
     assert any("src=spmd.I, dst=spmd.R" in f for f in err.value.fixes)
 
@@ -397,7 +397,9 @@ def test_nn_nonlinear_rejects_p(x, name):
 def test_norm_weight_must_match(x):
     assert tp_type(F.layer_norm(x.r, (4,), weight=x.r[0])) is R
     with rejects("Invariant"):
-        F.layer_norm(x.r, (4,), weight=x.i[0])
+        F.layer_norm(x.r_grad, (4,), weight=x.i[0])
+    # the same weight over an input that carries no gradient: no backward reaches the mix (issue 9)
+    assert tp_type(F.layer_norm(x.r, (4,), weight=x.i[0])) is I
 
 
 # ---------------------------------------------------------------------------
