@@ -19,8 +19,10 @@ from ._explicit import einsum, linear, matmul, sum
 from ._local import convert, reinterpret
 from ._local_map import local_map
 from ._mesh import set_current_mesh
+from ._no_typecheck import no_typecheck
 from ._redistribute_spec import plan_redistribute
 from ._rules_table import RuleKind
+from ._scalar import Scalar
 from ._tensor import LTensor
 from ._types import (
     I,
@@ -46,7 +48,7 @@ __all__ = [
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
     "sum", "linear", "matmul", "einsum", "local_map", "plan_redistribute",
     "register_ddp",
-    "axis_index",
+    "axis_index", "Scalar", "no_typecheck",
     "register_autograd_function", "unregister_autograd_function",
 ]
 
