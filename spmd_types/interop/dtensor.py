@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .._asserts import _compatible
+from .._comm_impl import AxisComm, keep_on_first
 from .._errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._function_guard import ALLOWED
 from .._mesh import current_mesh, set_current_mesh
@@ -96,27 +97,35 @@ class _ToDTensor(torch.autograd.Function):
                 f"spmd.to_dtensor: the gradient of its DTensor output is a {type(g).__name__}, not a DTensor"
             )
         want = tuple(placement_to_cotangent(p) for p in ctx.placements)
-        return _redistribute(g, want)._local_tensor, None, None, None, None
+        return _redistribute(g, want), None, None, None, None
 
 
 ALLOWED[_FromDTensor] = "spmd_types.interop"
 ALLOWED[_ToDTensor] = "spmd_types.interop"
 
 
-def _redistribute(g: DTensor, want: tuple) -> DTensor:
-    """``g`` with placements ``want`` (``Reduced`` has ``Replicate``'s data): Shard -> Partial goes via Replicate."""
+def _redistribute(g: DTensor, want: tuple) -> torch.Tensor:
+    """The local tensor of ``g`` redistributed to placements ``want`` (``Reduced`` has ``Replicate``'s data).
+
+    DTensor does not redistribute to ``Partial``; a mesh dim that must become
+    ``Partial`` goes to ``Replicate`` first (an all-gather from ``Shard``), then
+    keeps the value on the dim's first rank and zeros elsewhere (exact, no
+    communication), as ``spmd.convert(x, axis, src=I, dst=P)`` does.
+    """
     g = plain_dtensor(g)
     target = strip_reduced(want)
-    if g._spec.placements == target:
-        return g
-    step = tuple(
-        Replicate() if (type(have) is Shard and type(w) is Partial) else have
-        for have, w in zip(g._spec.placements, target)
-    )
+    have = g._spec.placements
+    if have == target:
+        return g._local_tensor
+    to_partial = [i for i, (h, w) in enumerate(zip(have, target)) if type(w) is Partial and type(h) is not Partial]
+    mid = tuple(Replicate() if i in to_partial else w for i, w in enumerate(target))
     with torch.no_grad():
-        if step != g._spec.placements:
-            g = g.redistribute(g.device_mesh, step)
-        return g.redistribute(g.device_mesh, target)
+        local = g.redistribute(g.device_mesh, mid)._local_tensor if mid != have else g._local_tensor
+        for i in to_partial:
+            group = g.device_mesh.get_group(i)
+            comm = AxisComm((mesh_names(g.device_mesh, "a gradient")[i],), group, group.group_name, group.size())
+            local = keep_on_first(local, comm)
+    return local
 
 
 # ---------------------------------------------------------------------------

@@ -7,8 +7,9 @@ cannot be changed here, so a DTensor that has a ``Reduced()`` placement is a
 1. computes every op as DTensor would with ``Reduced`` read as ``Replicate``
    (the data layout is the same; ``__torch_dispatch__`` hands DTensor a base
    DTensor whose spec says ``Replicate()``), and
-2. re-attaches ``Reduced`` on the outputs (``__torch_function__``, after the
-   op ran): on each mesh dim where *every* DTensor input is ``Reduced`` and the
+2. re-attaches ``Reduced`` on the outputs (after the op ran, still in
+   ``__torch_dispatch__``, so autograd's own copies such as the gradient a
+   leaf accumulates keep it too): on each mesh dim where *every* DTensor input is ``Reduced`` and the
    output came out ``Replicate()``, the output is ``Reduced()``.
 
 Rule 2 is seed 001's intersection rule, not seed 000's "inputs must agree"
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils import _pytree as pytree
@@ -80,27 +80,26 @@ class ReducedDTensor(DTensor):
     __slots__ = ()
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        dims: frozenset[int] | None = None
-        for a in pytree.tree_leaves((args, kwargs)):
-            if isinstance(a, DTensor):
-                mine = reduced_dims(a)
-                dims = mine if dims is None else dims & mine
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if not dims:
-            return out
-        inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)}
-        for o in pytree.tree_leaves(out):
-            # An in-place op returns its input: that tensor keeps its own placements.
-            if isinstance(o, DTensor) and id(o) not in inputs:
-                as_reduced_class(o, dims)
-        return out
-
-    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        def unwrap(t: Any) -> Any:
-            return plain_dtensor(t) if isinstance(t, DTensor) else t
+        dims: list[frozenset[int]] = []
+        originals: dict[int, DTensor] = {}
 
-        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        def unwrap(t: Any) -> Any:
+            if not isinstance(t, DTensor):
+                return t
+            dims.append(reduced_dims(t))
+            plain = plain_dtensor(t)
+            originals[id(plain)] = t
+            return plain
+
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        keep = frozenset.intersection(*dims) if dims else frozenset()
+
+        def rewrap(o: Any) -> Any:
+            if not isinstance(o, DTensor):
+                return o
+            if id(o) in originals:  # an in-place op returns its input, which keeps its own placements
+                return originals[id(o)]
+            return as_reduced_class(o, keep) if keep else o
+
+        return pytree.tree_map(rewrap, out)
