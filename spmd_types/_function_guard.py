@@ -8,9 +8,10 @@ a typed tensor reaching an op while an unregistered Function's forward runs
 raises :class:`SpmdTypeError` naming the class and the registration that fixes it.
 
 How it is seen, with no patching of torch: a Function's forward always runs
-with grad mode off, inside ``Function.apply``. When a typed op runs with grad
-mode off, the stack is searched for the innermost ``Function.apply`` frame;
-its ``cls`` is the Function being applied. This module is the low layer (the
+inside ``Function.apply`` with both grad mode and forward-mode AD off (plain
+``torch.no_grad()`` leaves forward-mode AD on, so it costs nothing). When a
+typed op runs in that state, the stack is searched for ``Function.apply``
+frames; their ``cls`` is the Function being applied. This module is the low layer (the
 tensor layer calls :func:`check_no_unregistered_function`); registration
 itself lives in ``_autograd_functions``.
 """

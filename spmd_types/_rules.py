@@ -62,10 +62,19 @@ def types_of(x: Any) -> TypeMap | None:
 def _operand(label: str, value: Any) -> Operand | None:
     if isinstance(value, torch.Tensor):
         t = types_of(value)
-        return Operand(label, t if t is not None else WEAK, True, grad=value.requires_grad and torch.is_grad_enabled())
+        return Operand(label, t if t is not None else WEAK, True, grad=value.requires_grad and _backward_possible())
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return Operand(label, WEAK, False, _is_zero(value))
     return None
+
+
+def _backward_possible() -> bool:
+    """Grad mode on, or off only because a custom Function's forward runs (forward-mode AD off too).
+
+    A registered ``transparent=True`` Function (activation checkpointing) runs
+    its forward with grad mode off, yet its backward differentiates that code.
+    """
+    return torch.is_grad_enabled() or not torch._C._is_fwd_grad_enabled()
 
 
 def _is_zero(value: Any) -> bool:

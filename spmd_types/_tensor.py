@@ -24,7 +24,7 @@ from ._shard_rules import explain_failure, propagate
 from ._spec import format_shape, short_dtype
 from ._state import STATE
 from ._strict import check_typed_root, typed_root
-from ._types import R, TypeMap
+from ._types import R, TypeMap, V
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
@@ -32,6 +32,7 @@ _DisableTF = torch._C.DisableTorchFunctionSubclass
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _tf_enabled = torch._C._is_torch_function_enabled
 _grad_enabled = torch.is_grad_enabled
+_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
 
 # Metadata queries; torch.autograd.grad computes gradients, whose types follow by duality.
 _UNCHECKED = (
@@ -84,8 +85,10 @@ class LTensor(torch.Tensor):
         if kwargs is None:
             kwargs = {}
         if not STATE.checking:
+            if func in _KEEP_UNCHECKED:
+                return _KEEP_UNCHECKED[func](func, args, kwargs)
             return _run(func, args, kwargs)
-        if not _grad_enabled():  # a custom Function's forward runs with grad mode off
+        if not _grad_enabled() and not _fwd_grad_enabled():  # how a custom Function's forward runs
             check_no_unregistered_function()
         if func in _UNCHECKED:
             return _run(func, args, kwargs)
@@ -208,7 +211,7 @@ def _make_operator(name: str):
         if not STATE.checking or not _tf_enabled():
             with _DisableTF():
                 return base(self, other)
-        if not _grad_enabled():
+        if not _grad_enabled() and not _fwd_grad_enabled():
             check_no_unregistered_function()
         return _typed_call(base, (self, other), {})
 
@@ -461,6 +464,58 @@ def _wrap(out: Any, types: TypeMap) -> Any:
 
 # ---------------------------------------------------------------------------
 # the slow path: inference on a cache miss
+
+
+# ---------------------------------------------------------------------------
+# outside typecheck: a checkpoint keeps its types, and loading one checks them
+
+
+def _detach_keeping_type(func, args, kwargs):
+    """``detach()`` outside typecheck keeps the type: ``state_dict()`` is made of detached tensors."""
+    out = _run(func, args, kwargs)
+    types = getattr(args[0], "_spmd_types", None) if args else None
+    if types is None or not isinstance(out, torch.Tensor) or type(out) in _TYPED_CLASSES:
+        return out
+    spec = getattr(args[0], "_spmd_spec", None)
+    out = _wrap(out, types)
+    if spec is not None:
+        out._spmd_spec = spec
+    return out
+
+
+def _copy_checking_type(func, args, kwargs):
+    """``dest.copy_(src)`` outside typecheck (``load_state_dict``) refuses a typed ``src`` of another type."""
+    if len(args) >= 2:
+        check_loaded_type("the value copied in (Tensor.copy_)", getattr(args[1], "_spmd_types", None),
+                          getattr(args[0], "_spmd_types", None))
+    return _run(func, args, kwargs)
+
+
+def check_loaded_type(what: str, loaded: TypeMap | None, live: TypeMap | None) -> None:
+    """Raise if ``loaded`` (a checkpoint value's types) differs from ``live`` (the tensor it goes into).
+
+    Either side untyped passes: a plain checkpoint carries no types to check.
+    V and S(d) match each other, as in ``assert_type``.
+    """
+    if loaded is None or live is None or loaded is live:
+        return
+    for axis in dict.fromkeys(live.axes() + loaded.axes()):
+        have, want = loaded.get(axis), live.get(axis)
+        if have is want or (have is not None and want is not None and have.is_varying and want.is_varying
+                            and (have is V or want is V)):
+            continue
+        raise SpmdTypeError(
+            Rejection(
+                f"Loading a value of another type: {what} is {have} on axis '{axis}', and the tensor it is "
+                f"loaded into is {want}.",
+                [("loaded", loaded.format()), ("into", live.format()), ("axis", f"'{axis}': {have} is not {want}")],
+                ["save and load with the same types (a checkpoint keeps the types it was saved with)"],
+            ),
+            None,
+        )
+
+
+_KEEP_UNCHECKED = {torch.Tensor.detach: _detach_keeping_type, torch.Tensor.copy_: _copy_checking_type}
 
 
 def _infer_or_raise(func, args, kwargs) -> TypeMap | None:

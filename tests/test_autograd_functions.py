@@ -241,9 +241,9 @@ def test_transparent_forward_is_checked_op_by_op(tp4):
 
     spmd.register_autograd_function(Twice, transparent=True)
     with spmd.set_current_mesh(tp4), spmd.typecheck():
-        v = spmd.assert_type(torch.randn(4), {"tp": V})
+        v = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": V})
         assert spmd.get_type(Twice.apply(v, v)) == {"tp": V}
-        i = spmd.assert_type(torch.randn(4), {"tp": I})
+        i = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
         with pytest.raises(spmd.SpmdTypeError, match=r"Invariant \(I\) values only combine"):
             Twice.apply(v, i)
 
