@@ -22,6 +22,7 @@ from ._comm_call import (
     Call,
     _reject_src,
     begin,
+    check_input,
     check_sizes,
     finish,
     norm_dim,
@@ -318,12 +319,20 @@ def all_to_all(
             f"{opname}: with src={begun.src}, dst={begun.dst} give split_dim= and concat_dim= "
             "(or use src=S(i), dst=S(j), which say them)"
         )
-    _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
+    if not _keeps_shards(begun.src, begun.dst):
+        _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
     call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat)
     return finish(begun, call, x)
 
 
+def _keeps_shards(src: SpmdType, dst: SpmdType) -> bool:
+    """S(d) -> S(d): the shards of dim d stay its shards (concat(xs, d).chunk(n, d) is xs), so nothing moves."""
+    return src == dst and src is not V
+
+
 def _all_to_all_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
+    if _keeps_shards(call.src, call.dst):  # the identity; its dual is S(d) -> S(d) again
+        return x.view_as(x)
     out = impl.all_to_all(x, call.comm, call.split_dim, call.concat_dim)  # type: ignore[arg-type]
     return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
 
@@ -364,7 +373,8 @@ def redistribute(
         raise TypeError("spmd.redistribute takes (x, axis, src=, dst=) or (x, src_spec, dst_spec)")
     src = check_type_value(src, "spmd.redistribute: src")
     dst = check_type_value(dst, "spmd.redistribute: dst")
-    if src is dst:
+    if src is dst:  # nothing to do, but src= must still be the tensor's type
+        check_input("spmd.redistribute", x, resolve_comm("spmd.redistribute", axis), src, dst)
         return x
     op = ROUTE.get((base_type(src), base_type(dst)))
     if op == "all_to_all" and (src is V or dst is V):

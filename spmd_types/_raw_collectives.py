@@ -260,7 +260,7 @@ def _group_root(a: dict[str, Any], raw: RawOp) -> int:
 
 def _even_splits(a: dict[str, Any]) -> bool:
     sizes = [s for s in (a.get("output_split_sizes"), a.get("input_split_sizes")) if s]
-    return all(len(set(s)) == 1 for s in sizes)
+    return all(all(type(v) is int for v in s) and len(set(s)) == 1 for s in sizes)  # SymInts: per-rank sizes
 
 
 # ---------------------------------------------------------------------------
