@@ -12,6 +12,7 @@ from ._autograd_functions import register_autograd_function, unregister_autograd
 from . import _raw_collectives  # noqa: F401 - types raw torch.distributed collectives on typed tensors
 from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
 from ._axis_index import axis_index
+from ._checkpoint import check_state_dict, load_state_dict
 from ._collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
 from ._ddp import register_ddp
 from ._errors import SpmdTypeError
@@ -48,7 +49,7 @@ __all__ = [
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
     "sum", "linear", "matmul", "einsum", "local_map", "plan_redistribute",
     "register_ddp",
-    "axis_index", "Scalar", "no_typecheck",
+    "axis_index", "Scalar", "no_typecheck", "check_state_dict", "load_state_dict",
     "register_autograd_function", "unregister_autograd_function",
 ]
 

@@ -470,8 +470,9 @@ def _wrap(out: Any, types: TypeMap) -> Any:
 # outside typecheck: a checkpoint keeps its types, and loading one checks them
 
 
-def _detach_keeping_type(func, args, kwargs):
-    """``detach()`` outside typecheck keeps the type: ``state_dict()`` is made of detached tensors."""
+def _keeping_type(func, args, kwargs):
+    """``detach()`` and ``to()`` outside typecheck keep the type: ``state_dict()`` is made of detached
+    tensors, and ``optimizer.load_state_dict`` moves its state with ``to()``."""
     out = _run(func, args, kwargs)
     types = getattr(args[0], "_spmd_types", None) if args else None
     if types is None or not isinstance(out, torch.Tensor) or type(out) in _TYPED_CLASSES:
@@ -515,7 +516,8 @@ def check_loaded_type(what: str, loaded: TypeMap | None, live: TypeMap | None) -
         )
 
 
-_KEEP_UNCHECKED = {torch.Tensor.detach: _detach_keeping_type, torch.Tensor.copy_: _copy_checking_type}
+_KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping_type,
+                   torch.Tensor.copy_: _copy_checking_type}
 
 
 def _infer_or_raise(func, args, kwargs) -> TypeMap | None:

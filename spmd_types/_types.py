@@ -260,4 +260,13 @@ class TypeMap:
         return f"TypeMap({self.format()})"
 
     def __reduce__(self):
-        return (TypeMap.of, (self.items,))
+        return (_type_map_of, (self.items,))
+
+
+def _type_map_of(items: tuple[tuple[str, SpmdType], ...]) -> TypeMap:
+    """Unpickle a TypeMap (a module-level function, so ``torch.load(weights_only=True)`` can allow it)."""
+    if not isinstance(items, tuple) or not all(
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and isinstance(i[1], SpmdType) for i in items
+    ):
+        raise TypeError(f"a TypeMap is a tuple of (axis name, SPMD type) pairs, got {items!r:.80}")
+    return TypeMap.of(items)
