@@ -11,6 +11,8 @@ count only).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import fake_mesh
@@ -193,3 +195,49 @@ def test_double_backward_is_a_clear_error():
         (gx,) = torch.autograd.grad(y, x, g, create_graph=True)
         with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
             gx.sum().backward()
+
+
+# ---------------------------------------------------------------------------
+# two real gloo processes: max / min forward and backward, and axis_index, against one device
+
+
+def _gloo_worker(rank: int, init_method: str, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            index = spmd.axis_index("tp")
+            x = torch.tensor([1.0, 5.0, 2.0]) if rank == 0 else torch.tensor([4.0, 2.0, 2.0])
+            x.requires_grad_()
+            y = spmd.all_reduce(spmd.assert_type(x, {"tp": V}), "tp", dst=I, op="max")
+            z = spmd.all_reduce(spmd.assert_type(x.detach(), {"tp": V}), "tp", dst=R, op="min")
+            y.backward(torch.tensor([1.0, 10.0, 100.0]))
+            row = {"index": int(index), "index_type": str(spmd.get_type(index)), "y": y.tolist(),
+                   "y_type": str(spmd.get_type(y)), "z": z.tolist(), "grad": x.grad.tolist()}
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(row))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_two_gloo_processes(tmp_path):
+    import json
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_gloo_available():
+        pytest.skip("gloo is not available")
+    mp.start_processes(_gloo_worker, args=("file://" + str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       join=True, start_method="spawn")
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # one device: amax of [[1, 5, 2], [4, 2, 2]] over dim 0, and its gradient for the cotangent [1, 10, 100]
+    assert [r["index"] for r in rows] == [0, 1]
+    assert rows[0]["index_type"] == "{'tp': V}"
+    assert rows[0]["y"] == rows[1]["y"] == [4.0, 5.0, 2.0] and rows[0]["y_type"] == "{'tp': I}"
+    assert rows[0]["z"] == rows[1]["z"] == [1.0, 2.0, 2.0]
+    assert [r["grad"] for r in rows] == [[0.0, 10.0, 50.0], [1.0, 0.0, 50.0]]
