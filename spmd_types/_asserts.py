@@ -33,16 +33,34 @@ LocalSpec = Union[bool, Iterable[str], Mapping[str, bool]]
 
 
 def _local_axes(local: LocalSpec) -> tuple[bool, frozenset]:
-    """(global mode on?, the axes that stay local) from typecheck's ``local=`` argument."""
+    """(global mode on?, the axes that stay local) from typecheck's ``local=`` argument, checked."""
     if local is True:
         return False, frozenset()
     if local is False:
         return True, frozenset()
     if isinstance(local, Mapping):
-        return True, frozenset(a for a, is_local in local.items() if is_local)
-    if isinstance(local, str):
-        return True, frozenset([local])
-    return True, frozenset(local)
+        for a, is_local in local.items():
+            if not isinstance(is_local, bool):
+                raise TypeError(f"typecheck(local={{...}}) maps axis names to True or False, got {a!r}: {is_local!r}")
+        names, axes = list(local), frozenset(a for a, is_local in local.items() if is_local)
+    elif isinstance(local, str):
+        names, axes = [local], frozenset([local])
+    elif isinstance(local, Iterable) and not isinstance(local, (bytes, torch.Tensor)):
+        names = list(local)
+        axes = None
+    else:
+        raise TypeError(
+            "typecheck(local=...) takes True, False, an axis name, a collection of axis names or {axis: bool}; "
+            f"got {local!r}"
+        )
+    mesh = current_mesh()
+    for a in names:
+        if not isinstance(a, str):
+            raise TypeError(f"typecheck(local=...): axis names are str, got {a!r}")
+        if mesh is not None and a not in mesh.groups:
+            known = ", ".join(repr(n) for n in mesh.axis_names)
+            raise ValueError(f"typecheck(local=...): unknown mesh axis {a!r}; the current mesh has axes {known}")
+    return True, frozenset(names) if axes is None else axes
 
 
 @contextlib.contextmanager
@@ -62,9 +80,12 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
         with spmd.set_current_mesh(mesh), spmd.typecheck(local=["ep"]):
             ...  # global SPMD on every axis but "ep"
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"typecheck(strict=...) takes True or False, got {strict!r}")
+    global_mode, local_axes = _local_axes(local)  # a bad argument raises before any state changes
     saved = (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes)
     STATE.checking, STATE.strict = True, strict
-    STATE.global_mode, STATE.local_axes = _local_axes(local)
+    STATE.global_mode, STATE.local_axes = global_mode, local_axes
     try:
         yield
     finally:
@@ -81,7 +102,28 @@ def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
         raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
     if current_mesh() is None:
         raise RuntimeError(f"{what} needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`")
-    return {resolve_axis(a): check_type_value(t, f"the type for axis {a!r}") for a, t in types.items()}
+    out: dict[str, SpmdType] = {}
+    for a, t in types.items():
+        name = resolve_axis(a)
+        if name in out:
+            raise ValueError(
+                f"{what}: axis '{name}' appears twice in the types (as {_axis_text(name, types)})"
+            )
+        out[name] = check_type_value(t, f"the type for axis {a!r}")
+    return out
+
+
+def _axis_text(name: str, types: TypeSpec) -> str:
+    """How a type dict spells axis ``name``: ``'tp' and as a ProcessGroup``."""
+    spelled = [repr(a) if isinstance(a, str) else f"a {type(a).__name__}" for a in types if _names(a, name)]
+    return " and as ".join(spelled)
+
+
+def _names(a: Any, name: str) -> bool:
+    try:
+        return resolve_axis(a) == name
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[TypeMap, Spec | None]:
@@ -104,6 +146,13 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
         for d, (a, b) in enumerate(zip(spec, user)):
             if a and b and a != b:
                 raise ValueError(f"dim {d}: the types say S({d}) on {a}, the partition spec says {b}")
+        for d, entry in enumerate(user):
+            for axis in entry:
+                dim = getattr(given.get(axis), "dim", None)
+                if dim is not None and dim % ndim != d:
+                    raise ValueError(
+                        f"axis '{axis}': the types say S({dim}), but the partition spec places it on dim {d}"
+                    )
         spec = tuple(b or a for a, b in zip(spec, user))
     placed = axes_of(spec)
     global_axes = mesh.global_axes(STATE.local_axes) if STATE.global_mode else frozenset()

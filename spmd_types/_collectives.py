@@ -23,6 +23,7 @@ from ._comm_call import (
     _reject_src,
     begin,
     check_input,
+    check_local_size,
     check_sizes,
     finish,
     norm_dim,
@@ -227,6 +228,8 @@ def all_gather(
     sizes = check_sizes(begun.opname, sizes, comm)
     if sizes is not None and dim is None:
         raise ValueError(f"{begun.opname}: sizes= needs a concat dim (src=S(d) or gather_dim=); V inputs stack")
+    if sizes is not None:
+        check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
     return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes), x)
 
 

@@ -139,6 +139,8 @@ def _resolve(opname: str, axis: Any, mesh: Any) -> AxisComm:
 
 
 def _resolve_many(opname: str, names: tuple, mesh: Any) -> AxisComm:
+    if not names:
+        raise ValueError(f"{opname}: axis () names no mesh axis")
     if len(names) == 1:
         return _resolve(opname, names[0], mesh)
     resolved = tuple(_resolve(opname, n, mesh).names[0] for n in names)
@@ -180,6 +182,11 @@ def begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str = "sum") -
     dst = check_type_value(dst, f"{opname}: dst")
     if reduce not in _REDUCE_OPS:
         raise ValueError(f"{opname}: op must be 'sum' or 'avg', got {reduce!r}")
+    if reduce == "avg" and not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(
+            f"{opname}: op='avg' divides by the axis size, which an integer tensor ({x.dtype}) cannot hold; "
+            "cast it to a floating dtype first, or use op='sum'"
+        )
     comm = resolve_comm(opname, axis)
     table_src = P if (op in _PRE_REDUCE and src.is_varying) else src
     if find(op, table_src, dst) is None:
@@ -246,6 +253,9 @@ def _reject_src(
 
 def norm_dim(opname: str, what: str, d: int, ndim: int) -> int:
     """``d`` as a non-negative tensor dim of an ``ndim``-dim tensor, or a clear error."""
+    if isinstance(d, bool) or not isinstance(d, int):
+        name = what.split("=", 1)[0]
+        raise TypeError(f"{opname}: {name}= takes an int tensor dim, got {d!r} of type {type(d).__name__}")
     if not -ndim <= d < ndim:
         raise ValueError(f"{opname}: {what} names tensor dim {d}, but the tensor has {ndim} dims")
     return d % ndim
@@ -254,6 +264,10 @@ def norm_dim(opname: str, what: str, d: int, ndim: int) -> int:
 def check_sizes(opname: str, sizes: Sequence[int] | None, comm: AxisComm) -> tuple[int, ...] | None:
     if sizes is None:
         return None
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or any(
+        isinstance(s, bool) or not isinstance(s, int) for s in sizes
+    ):
+        raise TypeError(f"{opname}: sizes= takes one int per rank, got {sizes!r}")
     sizes = tuple(int(s) for s in sizes)
     if len(sizes) != comm.size or any(s < 0 for s in sizes):
         raise ValueError(
@@ -261,6 +275,20 @@ def check_sizes(opname: str, sizes: Sequence[int] | None, comm: AxisComm) -> tup
             f"got {list(sizes)}"
         )
     return sizes
+
+
+def check_local_size(opname: str, x: torch.Tensor, dim: int, sizes: tuple[int, ...], comm: AxisComm) -> None:
+    """This rank's shard must have the size ``sizes`` gives it (checked for real ranks; simulated ones vary)."""
+    from ._comm_impl import group_rank
+
+    rank = group_rank(comm)
+    with _DisableTF():
+        have = x.shape[dim]
+    if isinstance(rank, int) and isinstance(have, int) and have != sizes[rank]:
+        raise ValueError(
+            f"{opname}: sizes={list(sizes)} gives this rank (index {rank} on axis {comm.label}) a shard of "
+            f"{sizes[rank]} on dim {dim}, but its shard has {have}"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -276,7 +304,22 @@ def unwrap(x: torch.Tensor) -> torch.Tensor:
 
 def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:
     """Run ``call`` on ``x`` and type the result when the input was typed under checking."""
+    if STATE.global_mode and begun.types is not None:
+        with _DisableTF():
+            in_ndim = x.dim()
+        _global_spec(begun, x, _out_ndim(call, in_ndim))  # its rejections, before any communication
     return type_result(begun, x, run(call, unwrap(x)))
+
+
+def _out_ndim(call: Call, in_ndim: int) -> int:
+    """The result's number of dims: a V (stacked) side adds or removes dim 0."""
+    if call.dim is not None or call.op not in ("all_gather", "reduce_scatter", "convert"):
+        return in_ndim
+    if call.op == "all_gather" or (call.op == "convert" and call.src.is_varying):
+        return in_ndim + 1
+    if call.op == "reduce_scatter" or call.dst.is_varying:
+        return in_ndim - 1
+    return in_ndim
 
 
 def type_result(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -291,14 +334,16 @@ def type_result(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     if rank_changed:
         # A stack or unbind moves every dim: an S(d) on another axis now names the wrong dim.
         types = TypeMap.of((a, V if (t.is_varying and a not in begun.comm.names) else t) for a, t in types.items)
-    spec = _global_spec(begun, x, out) if STATE.global_mode else None
+    with _DisableTF():
+        out_ndim = out.dim()
+    spec = _global_spec(begun, x, out_ndim) if STATE.global_mode else None
     out = _wrap(out, types)
     if spec is not None:
         out._spmd_spec = spec
     return out
 
 
-def _global_spec(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> tuple | None:
+def _global_spec(begun: Begun, x: torch.Tensor, out_ndim: int) -> tuple | None:
     """The result's partition spec in global SPMD: the axes leave ``src``'s dim and join ``dst``'s.
 
     Only the Shard forms have a global meaning (seed 003); V (stack) forms are
@@ -309,7 +354,7 @@ def _global_spec(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> tuple | No
     global_axes = mesh.global_axes(STATE.local_axes) if mesh is not None else frozenset()
     names = [n for n in begun.comm.names if n in global_axes]
     with _DisableTF():
-        in_ndim, out_ndim = x.dim(), out.dim()
+        in_ndim = x.dim()
     spec = getattr(x, "_spmd_spec", None) or tuple(() for _ in range(in_ndim))
     if not names:
         return _restack(begun, spec, in_ndim, out_ndim, global_axes)

@@ -47,6 +47,8 @@ def local_map(
             return spmd.reinterpret(F.linear(h, w), "tp", src=spmd.V, dst=spmd.P)
     """
 
+    _check_declarations(in_types, out_types)
+
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -74,6 +76,23 @@ def local_map(
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
+
+
+def _check_declarations(in_types: Any, out_types: Any) -> None:
+    """``in_types``: a sequence of type dicts (or None); ``out_types``: a type dict, or a sequence of them."""
+    if isinstance(in_types, (Mapping, str)) or not isinstance(in_types, Sequence):
+        raise TypeError(
+            "local_map: in_types takes one type dict (or None) per positional argument, e.g. "
+            f"[{{'tp': spmd.R}}]; got {in_types!r}"
+        )
+    entries = [("in_types", i, d) for i, d in enumerate(in_types)]
+    if not isinstance(out_types, Mapping):
+        if isinstance(out_types, str) or not isinstance(out_types, Sequence):
+            raise TypeError(f"local_map: out_types takes a type dict, or one (or None) per output; got {out_types!r}")
+        entries += [("out_types", i, d) for i, d in enumerate(out_types)]
+    for what, i, d in entries:
+        if d is not None and not isinstance(d, Mapping):
+            raise TypeError(f"local_map: {what}[{i}] must be a type dict {{axis: type}} or None, got {d!r}")
 
 
 def _exit(name: str, out: Any, out_types: TypeDict | Sequence[TypeDict | None]) -> Any:

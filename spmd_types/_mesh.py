@@ -47,13 +47,24 @@ class Mesh:
             groups = {n: mesh.get_group(n) for n in names}
             return cls(tuple(names), groups, mesh)
         if isinstance(mesh, Mapping):
+            if not mesh:
+                raise ValueError("set_current_mesh: the mesh has no axes")
+            seen: dict[int, str] = {}
             for name, group in mesh.items():
                 if not isinstance(name, str):
                     raise TypeError(f"mesh axis names must be str, got {name!r}")
+                if not name:
+                    raise ValueError("set_current_mesh: mesh axis names must be non-empty")
                 if not isinstance(group, dist.ProcessGroup):
                     raise TypeError(
                         f"mesh axis {name!r} must map to a ProcessGroup, got {type(group).__name__}"
                     )
+                if id(group) in seen:
+                    raise ValueError(
+                        f"set_current_mesh: axes '{seen[id(group)]}' and '{name}' are the same process group; "
+                        "a mesh axis is one group, named once"
+                    )
+                seen[id(group)] = name
             return cls(tuple(mesh), dict(mesh), None)
         raise TypeError(
             "set_current_mesh takes a DeviceMesh with mesh_dim_names or a "

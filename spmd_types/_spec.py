@@ -31,6 +31,17 @@ def short_dtype(dtype: torch.dtype) -> str:
 
 def normalize(ps: Sequence[str | tuple[str, ...] | None], ndim: int, what: str = "partition spec") -> Spec:
     """A user PartitionSpec as a Spec of ``ndim`` entries (missing trailing dims are unsharded)."""
+    if not isinstance(ps, (tuple, list)):
+        raise TypeError(
+            f"{what} must be a PartitionSpec or a tuple of entries (None, an axis name or a tuple of axis names), "
+            f"one per tensor dim; got {ps!r}"
+        )
+    for entry in ps:
+        ok = entry is None or isinstance(entry, str) or (
+            isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry)
+        )
+        if not ok:
+            raise TypeError(f"{what} entries are None, an axis name or a tuple of axis names; got {entry!r}")
     if len(ps) > ndim:
         raise ValueError(f"{what} {tuple(ps)!r} has {len(ps)} entries for a {ndim}-d tensor")
     out: list[tuple[str, ...]] = []
