@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench docs
 
 setup: $(VENV)/.installed
 
@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	touch $@
 
 demo: setup
@@ -21,8 +21,12 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check spmd_types tests examples benchmarks docs
 
-test: setup lint
+test: setup lint docs
 	$(BIN)/python -m pytest
+
+# The documentation site, into site/ (a broken link or a public name without a docstring fails it).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
