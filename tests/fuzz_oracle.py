@@ -1,0 +1,343 @@
+"""The soundness fuzzer's oracle: a denotational interpreter of straight-line SPMD programs, in plain torch.
+
+This module never imports ``spmd_types``: it is the independent side of the
+comparison in ``tests/test_fuzz.py``. It reads the program's type annotations
+(the ``src``/``dst`` of each type-changing call, the declared types of inputs
+and outputs) as strings, and gives every value its meaning (CONTRACT section 1):
+
+* on an axis where a value is ``R`` or ``I`` it denotes one tensor (every rank holds it);
+* ``V`` or ``S(d)``: a list of tensors, one per rank (``S(d)`` additionally says that the
+  list means its concatenation on dim ``d``: the collectives that read or write an
+  ``S(d)`` value concatenate or chunk on ``d``);
+* ``P``: one tensor, the sum of the per-rank values.
+
+A :class:`Den` holds a value's meaning on all axes at once: one tensor per
+coordinate of the axes on which it is a list. Ordinary torch ops act on the
+meaning (an op of lists is the op of their entries); each type-changing call
+acts by its specification (``all_reduce`` of ``P``: the sum, which the
+denotation already is; ``all_gather`` of ``V``: the stacked list; ``convert``
+``R -> V``: ``x.unbind(0)``; ``reinterpret`` ``R -> P``: ``n * x``; ...).
+Gradients are ``torch.autograd`` on the meaning.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "Inp", "Stmt", "Program", "Den", "Mismatch", "ORDINARY", "TYPE_OPS", "TYPE_FUNCTIONS",
+    "read", "evaluate", "gradients", "is_list_type", "backward_type",
+]
+
+# ---------------------------------------------------------------------------
+# Programs: plain data, types spelled "R", "I", "V", "P", "S0", "S1", ...
+
+
+@dataclass(frozen=True)
+class Inp:
+    """A program input: its type on each mesh axis (mesh order) and its local (per-rank) shape."""
+
+    name: str
+    types: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stmt:
+    """``out = op(*args, **params)``; a type-changing op also has ``axis``, ``src`` and ``dst``."""
+
+    out: str
+    op: str
+    args: tuple[str, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+    axis: str | None = None
+    src: str | None = None
+    dst: str | None = None
+
+    def code(self) -> str:
+        args = ", ".join(self.args)
+        kw = "".join(f", {k}={v!r}" for k, v in self.params)
+        if self.op in TYPE_FUNCTIONS:
+            return (f"{self.out} = {TYPE_FUNCTIONS[self.op][1]}.apply({args}, group({self.axis!r}))  "
+                    f"# claims spmd.{TYPE_FUNCTIONS[self.op][0]}(src={_code(self.src)}, dst={_code(self.dst)})")
+        if self.op in TYPE_OPS:
+            return f"{self.out} = spmd.{self.op}({args}, {self.axis!r}, src={_code(self.src)}, dst={_code(self.dst)}{kw})"
+        return f"{self.out} = {ORDINARY[self.op][1].format(*self.args, **dict(self.params))}"
+
+
+@dataclass(frozen=True)
+class Program:
+    """A straight-line program on a mesh of ``axes`` ((name, size) pairs); ``outputs`` are its results."""
+
+    axes: tuple[tuple[str, int], ...]
+    inputs: tuple[Inp, ...]
+    stmts: tuple[Stmt, ...]
+    outputs: tuple[str, ...]
+    well_typed: bool = True  # the generator's intent (the checker decides)
+    seed: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        mesh = ", ".join(f"{a}={n}" for a, n in self.axes)
+        lines = [f"# mesh ({mesh}); generated {'well' if self.well_typed else 'ill'}-typed; seed {self.seed}"]
+        for i in self.inputs:
+            types = ", ".join(f"{a!r}: {_code(t)}" for (a, _), t in zip(self.axes, i.types))
+            lines.append(f"{i.name} = input({{{types}}}, local_shape={i.shape})")
+        lines += [s.code() for s in self.stmts]
+        lines.append(f"return {', '.join(self.outputs)}")
+        lines += [f"# {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # hypothesis prints failing examples with this
+        printer.text("\n" + repr(self))
+
+
+def _code(t: str | None) -> str:
+    return f"S({t[1:]})" if t and t.startswith("S") else str(t)
+
+
+def is_list_type(t: str) -> bool:
+    """V and S(d) denote one tensor per rank."""
+    return t == "V" or t.startswith("S")
+
+
+def backward_type(t: str) -> str:
+    """The type of a gradient: R <-> P swap; I, V, S(d) keep theirs."""
+    return {"R": "P", "P": "R"}.get(t, t)
+
+
+# ---------------------------------------------------------------------------
+# Ordinary torch ops: (function, code template). The same function runs on the
+# typed per-rank tensors (in the runner) and on the meaning (here).
+
+ORDINARY: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
+    "add": (lambda a, b: torch.add(a, b), "torch.add({0}, {1})"),
+    "sub": (lambda a, b: a - b, "{0} - {1}"),
+    "mul": (lambda a, b: a * b, "{0} * {1}"),
+    "div": (lambda a, b: a / (torch.sigmoid(b) + 0.5), "{0} / (torch.sigmoid({1}) + 0.5)"),
+    "neg": (lambda a: -a, "-{0}"),
+    "scale": (lambda a: a * 0.5, "{0} * 0.5"),
+    "tanh": (torch.tanh, "torch.tanh({0})"),
+    "sin": (torch.sin, "torch.sin({0})"),
+    "exp": (lambda a: torch.exp(a), "torch.exp({0})"),
+    "sum": (lambda a, dim: a.sum(dim), "{0}.sum({dim})"),
+    "mean": (lambda a, dim: torch.mean(a, dim, keepdim=True), "torch.mean({0}, {dim}, keepdim=True)"),
+    "matmul": (lambda a, b: a @ b, "{0} @ {1}"),
+    "linear": (lambda a, b: F.linear(a, b), "F.linear({0}, {1})"),
+    "cat": (lambda a, b, dim: torch.cat([a, b], dim), "torch.cat([{0}, {1}], {dim})"),
+    "transpose": (lambda a: a.transpose(0, 1), "{0}.transpose(0, 1)"),
+    "flatten": (lambda a: a.flatten(), "{0}.flatten()"),
+    "reshape": (lambda a, shape: a.reshape(shape), "{0}.reshape({shape})"),
+    "unsqueeze": (lambda a: a.unsqueeze(0), "{0}.unsqueeze(0)"),
+    "narrow": (lambda a, dim, length: a.narrow(dim, 0, length), "{0}.narrow({dim}, 0, {length})"),
+    # custom autograd Functions (tests/fuzz_functions.py): the function each one computes
+    "fn:tanh": (torch.tanh, "FusedTanh.apply({0})"),
+    "fn:silu": (lambda a: a * torch.sigmoid(a), "CheckpointedSilu.apply({0})"),
+    "fn:scale3": (lambda a: a * 3.0, "TransparentScale.apply({0})"),
+    "fn:add_scaled": (lambda a, b: 2 * a + b, "AddScaled.apply({0}, {1})"),
+    "fn:unregistered": (torch.tanh, "UnregisteredTanh.apply({0})"),
+}
+
+# Custom autograd Functions registered as a type-changing op: (the op whose specification they claim, class)
+TYPE_FUNCTIONS = {
+    "fn:copy_to": ("reinterpret", "CopyToRegion"),
+    "fn:reduce_from": ("all_reduce", "ReduceFromRegion"),
+    "fn:gather_from": ("all_gather", "GatherFromRegion"),
+    "fn:scatter_to": ("convert", "ScatterToRegion"),
+    "fn:wrong_reduce": ("all_reduce", "WrongReduceFrom"),
+}
+
+TYPE_OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute")
+
+
+# ---------------------------------------------------------------------------
+# Meanings
+
+
+class Mismatch(AssertionError):
+    """Per-rank values that do not have the meaning their type claims (an R value differing across ranks)."""
+
+
+@dataclass
+class Den:
+    """A value's meaning: ``data[c]`` for each coordinate ``c`` of the axes (indices) in ``vary``."""
+
+    vary: tuple[int, ...]
+    data: dict[tuple[int, ...], torch.Tensor]
+
+
+def read(values: dict[tuple[int, ...], torch.Tensor], types: tuple[str, ...], names: tuple[str, ...]) -> Den:
+    """The meaning of per-rank ``values`` (keyed by mesh coordinate) of ``types``.
+
+    V/S(d) axes index the result; on R/I axes every rank must hold the same
+    value (else :class:`Mismatch`); P axes are summed.
+    """
+    vary = tuple(k for k, t in enumerate(types) if is_list_type(t))
+    same = [k for k, t in enumerate(types) if t in ("R", "I")]
+    groups: dict[tuple[int, ...], dict[tuple[int, ...], torch.Tensor]] = {}
+    for coord, v in values.items():
+        groups.setdefault(tuple(coord[k] for k in vary), {})[coord] = v
+    data = {}
+    for key, grid in groups.items():
+        total = None
+        for coord, v in sorted(grid.items()):
+            if any(coord[k] != 0 for k in same):
+                first = grid[tuple(0 if k in same else c for k, c in enumerate(coord))]
+                if v.shape != first.shape or not torch.allclose(v, first, rtol=1e-9, atol=1e-9, equal_nan=True):
+                    axis = next(names[k] for k in same if coord[k] != 0)
+                    raise Mismatch(f"a {types[names.index(axis)]} value differs across ranks of axis '{axis}' "
+                                   f"(rank coordinates {coord} vs {tuple(0 if k in same else c for k, c in enumerate(coord))})")
+                continue
+            total = v if total is None else total + v
+        data[key] = total
+    return Den(vary, data)
+
+
+def _broadcast(dens: list[Den], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], list]]]:
+    """An ordinary op on lists acts entrywise: the result is a list on the union of the operands' list axes."""
+    vary = tuple(sorted(set().union(*(d.vary for d in dens))))
+    rows = []
+    for key in itertools.product(*(range(sizes[k]) for k in vary)):
+        at = dict(zip(vary, key))
+        rows.append((key, [d.data[tuple(at[k] for k in d.vary)] for d in dens]))
+    return vary, rows
+
+
+def _ordinary(stmt: Stmt, dens: list[Den], sizes: tuple[int, ...]) -> Den:
+    fn = ORDINARY[stmt.op][0]
+    vary, rows = _broadcast(dens, sizes)
+    return Den(vary, {key: fn(*ts, **dict(stmt.params)) for key, ts in rows})
+
+
+# One axis at a time: ``item`` is the list of per-rank tensors (src V/S(d)) or the one tensor.
+
+
+def _full(item: Any, src: str, params: dict) -> torch.Tensor:
+    """The one tensor a list means: stacked (V) or concatenated (S(d), or V with a given dim)."""
+    if src.startswith("S"):
+        return torch.cat(item, int(src[1:]))
+    dim = params.get("gather_dim")
+    return torch.stack(item) if dim is None else torch.cat(item, dim)
+
+
+def _slices(x: torch.Tensor, dst: str, n: int, params: dict) -> list[torch.Tensor]:
+    """The list a tensor becomes when each rank keeps its part: x[rank] (V) or chunk rank of dim d (S(d))."""
+    if dst.startswith("S"):
+        return list(x.chunk(n, int(dst[1:])))
+    dim = params.get("scatter_dim")
+    return list(x.unbind(0)) if dim is None else list(x.chunk(n, dim))
+
+
+def _total(item: Any, src: str) -> torch.Tensor:
+    """src=V on a reduction means reinterpret(V, P) first: the list's sum."""
+    return torch.stack(item).sum(0) if is_list_type(src) else item
+
+
+def _reinterpret(item: Any, src: str, dst: str, n: int, params: dict) -> Any:
+    if is_list_type(src):  # V -> P: the per-rank values become a pending sum
+        return torch.stack(item).sum(0)
+    if is_list_type(dst):  # R/I -> V: every rank keeps its copy
+        return [item] * n
+    return item * n if dst == "P" else item  # R -> P: n copies summed; R <-> I: same value
+
+
+def _convert(item: Any, src: str, dst: str, n: int, params: dict) -> Any:
+    if is_list_type(src):  # V -> P: each rank places its slice in zeros, then the sum
+        return torch.stack(item) if src == "V" else torch.cat(item, int(src[1:]))
+    if is_list_type(dst):
+        return _slices(item, dst, n, params)
+    return item  # R/I -> R/I/P: same value
+
+
+def _all_to_all(item: list, src: str, dst: str, n: int, params: dict) -> list:
+    if src.startswith("S") and dst.startswith("S"):  # the meaning is kept: re-slice the concatenation
+        return list(torch.cat(item, int(src[1:])).chunk(n, int(dst[1:])))
+    split = int(dst[1:]) if dst.startswith("S") else params["split_dim"]
+    concat = int(src[1:]) if src.startswith("S") else params["concat_dim"]
+    pieces = [x.chunk(n, split) for x in item]  # rank j receives piece j of every rank's value
+    return [torch.cat([pieces[r][j] for r in range(n)], concat) for j in range(n)]
+
+
+def _redistribute(item: Any, src: str, dst: str, n: int, params: dict) -> Any:
+    whole = _full(item, src, {}) if is_list_type(src) else item  # the meaning is kept
+    return _slices(whole, dst, n, {}) if is_list_type(dst) else whole
+
+
+_SPECS: dict[str, Callable[..., Any]] = {
+    "reinterpret": _reinterpret,
+    "convert": _convert,
+    "all_reduce": lambda item, src, dst, n, params: _total(item, src),
+    "all_gather": lambda item, src, dst, n, params: _full(item, src, params),
+    "reduce_scatter": lambda item, src, dst, n, params: _slices(_total(item, src), dst, n, params),
+    "all_to_all": _all_to_all,
+    "redistribute": _redistribute,
+}
+
+
+def _type_op(stmt: Stmt, spec: str, den: Den, axis_names: tuple[str, ...], sizes: tuple[int, ...]) -> Den:
+    k = axis_names.index(stmt.axis)
+    n = sizes[k]
+    src, dst = stmt.src, stmt.dst
+    assert src is not None and dst is not None
+    rest = tuple(a for a in den.vary if a != k)
+    grouped: dict[tuple[int, ...], Any] = {}
+    for key, t in den.data.items():
+        at = dict(zip(den.vary, key))
+        other = tuple(at[a] for a in rest)
+        if k in den.vary:
+            grouped.setdefault(other, [None] * n)[at[k]] = t
+        else:
+            grouped[other] = t
+    if is_list_type(src) != (k in den.vary):
+        raise Mismatch(f"{stmt.code()}: src={src} but the value is {'a list' if k in den.vary else 'one tensor'} "
+                       f"on axis '{stmt.axis}'")
+    out_vary = tuple(sorted(rest + (k,))) if is_list_type(dst) else rest
+    data = {}
+    for other, item in grouped.items():
+        res = _SPECS[spec](item, src, dst, n, dict(stmt.params))
+        at = dict(zip(rest, other))
+        if is_list_type(dst):
+            for r, t in enumerate(res):
+                at[k] = r
+                data[tuple(at[a] for a in out_vary)] = t
+        else:
+            data[tuple(at[a] for a in out_vary)] = res
+    return Den(out_vary, data)
+
+
+def evaluate(program: Program, inputs: dict[str, Den]) -> dict[str, Den]:
+    """Run ``program`` on meanings: every value's meaning, by name."""
+    names = tuple(a for a, _ in program.axes)
+    sizes = tuple(n for _, n in program.axes)
+    env = dict(inputs)
+    for stmt in program.stmts:
+        args = [env[a] for a in stmt.args]
+        if stmt.op in TYPE_OPS or stmt.op in TYPE_FUNCTIONS:
+            spec = TYPE_FUNCTIONS[stmt.op][0] if stmt.op in TYPE_FUNCTIONS else stmt.op
+            env[stmt.out] = _type_op(stmt, spec, args[0], names, sizes)
+        else:
+            env[stmt.out] = _ordinary(stmt, args, sizes)
+    return env
+
+
+def gradients(outputs: list[Den], cotangents: list[Den], inputs: dict[str, Den]) -> dict[str, Den]:
+    """The gradient of the loss sum <output, cotangent> (over every list entry) with respect to each input's meaning."""
+    loss = torch.zeros((), dtype=torch.float64)
+    for out, cot in zip(outputs, cotangents):
+        if out.vary != cot.vary:
+            raise Mismatch(f"an output is a list on axes {out.vary} but its gradient on {cot.vary}")
+        for key, t in out.data.items():
+            loss = loss + (t * cot.data[key]).sum()
+    leaves = [(name, key, t) for name, d in inputs.items() for key, t in d.data.items()]
+    grads: Any = [None] * len(leaves)
+    if loss.requires_grad:
+        grads = torch.autograd.grad(loss, [t for _, _, t in leaves], allow_unused=True)
+    out: dict[str, Den] = {name: Den(d.vary, {}) for name, d in inputs.items()}
+    for (name, key, t), g in zip(leaves, grads):
+        out[name].data[key] = torch.zeros_like(t) if g is None else g
+    return out
