@@ -372,3 +372,65 @@ def test_outside_typecheck_raw_collectives_run_plainly():
 def test_the_table_names_every_form():
     assert {r.form for r in RAW_OPS.values()} == set(Form)
     assert all(r.display.startswith(("torch.distributed.", "torch.ops._c10d_functional.")) for r in RAW_OPS.values())
+
+
+_NO_EQUIVALENT = " on axis 'tp' has no typed equivalent for a "
+# (call, input type, rule after the op's name, fixes): every "no typed equivalent" reason, pinned
+NO_EQUIVALENT_CASES = {
+    "broadcast-P": (lambda x, g: dist.broadcast(x, 0, group=g), P,
+                    "P input: a broadcast keeps one rank's summand of a pending sum, which is not its value.",
+                    ("spmd.all_reduce(x, 'tp', src=spmd.P, dst=spmd.R)",)),
+    "all_gather-P": (lambda x, g: fc.all_gather_single(x, 0, g), P,
+                     "P input: an all-gather takes per-rank (V) values, and a P value is one pending sum.",
+                     ("spmd.all_reduce(x, 'tp', src=spmd.P, dst=spmd.R)",)),
+    "all_gather-R": (lambda x, g: fc.all_gather_single(x, 0, g), R,
+                     "R input: an all-gather takes per-rank (V) values; gathering the copies of an R value is not a "
+                     "typed all_gather.",
+                     ("spmd.all_gather(spmd.reinterpret(x, 'tp', src=spmd.R, dst=spmd.V), 'tp', src=spmd.V, "
+                      "dst=spmd.R, gather_dim=0)",)),
+    "reduce_scatter-max": (lambda x, g: fc.reduce_scatter_single(x, "max", 0, g), P,
+                           "P input: op=max has no typed reduce_scatter.", ()),
+    "reduce_scatter-I": (lambda x, g: fc.reduce_scatter_single(x, "avg", 0, g), I,
+                         "I input: every rank holds the same I value, so their avg is not a typed reduce_scatter "
+                         "(seed 003 reduces P or V values).",
+                         ("spmd.reduce_scatter(spmd.reinterpret(spmd.reinterpret(x, 'tp', src=spmd.I, dst=spmd.R), "
+                          "'tp', src=spmd.R, dst=spmd.P), 'tp', src=spmd.P, dst=spmd.S(0), op=\"avg\")",)),
+    "all_to_all-R": (lambda x, g: fc.all_to_all_single(x, None, None, g), R,
+                     "R input: an all-to-all exchanges per-rank (V) blocks; seed 003 has no all_to_all from R.",
+                     ("spmd.all_to_all(spmd.reinterpret(x, 'tp', src=spmd.R, dst=spmd.V), 'tp', src=spmd.V, "
+                      "dst=spmd.V, split_dim=0, concat_dim=0)",)),
+    "all_reduce-product": (lambda x, g: dist.all_reduce(x, op=dist.ReduceOp.PRODUCT, group=g), V,
+                           "V input: op=product has no typed all_reduce.",
+                           ("spmd.all_gather(x, 'tp', src=spmd.V, dst=spmd.R), then reduce its dim 0 locally",)),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_EQUIVALENT_CASES))
+def test_no_typed_equivalent(tp4, case):
+    call, t, rule, fixes = NO_EQUIVALENT_CASES[case]
+    err = _raises(call, _typed(tp4, {"tp": t}, shape=(8, 2)), _group(tp4))
+    assert err.rule.split(_NO_EQUIVALENT, 1)[1] == rule
+    assert err.rule.startswith(("torch.distributed.", "torch.ops._c10d_functional."))
+    assert err.fixes == fixes
+
+
+def test_input_untyped_on_the_group_axis():
+    mesh1 = fake_mesh((4,), ("tp",))
+    with LocalTensorMode(4):
+        with spmd.set_current_mesh(mesh1), spmd.typecheck():
+            x = _typed(mesh1, {"tp": P})
+        mesh2 = fake_mesh((2, 2), ("dp", "tp"))
+        with spmd.set_current_mesh(mesh2), spmd.typecheck():
+            err = _raises(dist.all_reduce, x, group=mesh2.get_group("dp"))
+    assert err.rule == "torch.distributed.all_reduce: the input has no type on axis 'dp'."
+    assert err.fixes == ("spmd.assert_type(x, {'dp': ...})",)
+
+
+def test_functional_all_gather_in_global_spmd():
+    mesh = fake_mesh((4,), ("tp",))
+    with LocalTensorMode(4), spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
+        x = spmd.assert_type(_value(mesh, {"tp": V}, (2, 3)), {"tp": S(0)})
+        y = fc.all_gather_single(x, 0, mesh.get_group("tp"))
+        assert spmd.get_type(y) == {"tp": R}
+        assert spmd.get_partition_spec(y) == spmd.get_partition_spec(spmd.assert_type(torch.zeros(8, 3), {"tp": R}))
+    torch.testing.assert_close(denote(y, mesh, {"tp": R}), denote(x, mesh, {"tp": S(0)}))
