@@ -92,6 +92,8 @@ def convert(
 
 def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: Any, label: str) -> int | None:
     """The dim that ``convert(..., dst=V or S(d))`` slices, after checking it splits evenly."""
+    if dst is V and sizes is not None:
+        raise ValueError(f"{opname}: sizes= needs a shard dim (dst=S(d)); dst=V keeps x[rank]")
     if dst is V:
         if x.dim() == 0 or x.shape[0] != n:
             raise ValueError(

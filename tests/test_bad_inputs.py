@@ -105,6 +105,18 @@ def three(a):
     return 3
 
 
+def global_max() -> torch.Tensor:
+    return AR(ty({"dp": R, "tp": S(0)}, 4, 4), "tp", src=V, dst=R, op="max")
+
+
+def boundary_call(in_types: list) -> Any:
+    return spmd.typed_boundary(in_types=in_types)(ident)(t(4))
+
+
+def attach_call(in_types: list) -> Any:
+    return spmd.attach_boundary(torch.nn.Identity(), in_types=in_types)(t(4))
+
+
 def double_mesh_dict() -> None:
     enter(spmd.set_current_mesh({"a": group("tp"), "b": group("tp")}))
 
@@ -486,6 +498,74 @@ CASES: list[Case] = [
          "result is already P there."),
     Case("redistribute-spec-dict-mesh", lambda: spmd.redistribute(t(4, 4), PS("tp"), PS(None)), TypeError,
          "spmd.redistribute needs the current mesh to be a DeviceMesh", ctx="mesh-dict"),
+    # --- all_reduce(op="max" | "min")
+    Case("max-src-p", lambda: AR(t(4), "tp", src=P, dst=R, op="max"), spmd.SpmdTypeError,
+         "spmd.all_reduce(op='max') cannot take src=P: a pending sum's value is the sum over ranks"),
+    Case("min-dst-v", lambda: AR(t(4), "tp", src=V, dst=V, op="min"), spmd.SpmdTypeError,
+         "spmd.all_reduce(op='min') cannot take src=V to dst=V: it takes a V (or S(d)) value to R or I."),
+    Case("max-unknown-axis", lambda: AR(t(4), "pp", src=V, dst=R, op="max"), ValueError,
+         "spmd.all_reduce: " + UNKNOWN),
+    Case("max-src-str", lambda: AR(t(4), "tp", src="V", dst=R, op="max"), TypeError,
+         "spmd.all_reduce: src " + NOT_TYPE + ", got 'V' of type str"),
+    Case("max-input-list", lambda: AR([1.0], "tp", src=V, dst=R, op="max"), TypeError,
+         "spmd.all_reduce takes a tensor, got list"),
+    Case("max-src-not-input-type", lambda: AR(ty({"tp": R}, 4), "tp", src=V, dst=R, op="max"), spmd.SpmdTypeError,
+         "src=V, but the tensor is R on axis 'tp'"),
+    Case("max-global-src-v", global_max, spmd.SpmdTypeError, "spmd.all_reduce with src=V has no global meaning",
+         ctx="global"),
+    # --- axis_index, Scalar, no_typecheck, module boundaries
+    Case("axis-index-unknown", lambda: spmd.axis_index("pp"), ValueError, "spmd.axis_index: " + UNKNOWN),
+    Case("axis-index-int", lambda: spmd.axis_index(3), TypeError,
+         "axis must be a mesh axis name, a ProcessGroup or a 1-D DeviceMesh, got int"),
+    Case("axis-index-global", lambda: spmd.axis_index("tp"), spmd.SpmdTypeError,
+         "spmd.axis_index is V on axis 'tp', which is checked in global SPMD", ctx="global"),
+    Case("axis-index-no-mesh", lambda: spmd.axis_index("tp"), RuntimeError,
+         "spmd.axis_index: axis 'tp' is a name, but no mesh is current", ctx="none"),
+    Case("scalar-list", lambda: spmd.Scalar([1], {"tp": V}), TypeError,
+         "spmd.Scalar takes a Python number (or a 0-d tensor), got list"),
+    Case("scalar-1d-tensor", lambda: spmd.Scalar(torch.ones(2), {"tp": V}), ValueError,
+         "spmd.Scalar takes a 0-d tensor, got shape [2]"),
+    Case("scalar-bad-type", lambda: spmd.Scalar(1.0, {"tp": "V"}), TypeError, "the type for axis 'tp' " + NOT_TYPE),
+    Case("no-typecheck-block-with-types", lambda: enter(spmd.no_typecheck(in_types=[{"tp": R}])), TypeError,
+         "spmd.no_typecheck: in_types= and out_types= type a function's arguments and results"),
+    Case("no-typecheck-arity", lambda: spmd.no_typecheck(in_types=[{"tp": R}, None], out_types={"tp": R})(ident)(t(4)),
+         TypeError, "spmd.no_typecheck(ident): 2 in_types for 1 arguments"),
+    Case("no-typecheck-in-types-a-dict",
+         lambda: spmd.no_typecheck(in_types={"tp": R}, out_types={"tp": R})(ident)(t(4)), TypeError,
+         "in_types takes one type dict (or None) per positional argument"),
+    Case("boundary-arity", lambda: boundary_call([{"tp": R}, {"tp": R}]), TypeError, "ident: 2 type specs for tuple"),
+    Case("boundary-bad-type", lambda: boundary_call([{"tp": "R"}]), TypeError, "the type for axis 'tp' " + NOT_TYPE),
+    Case("attach-boundary-arity", lambda: attach_call([{"tp": R}, {"tp": R}]), TypeError,
+         "Identity: 2 type specs for tuple"),
+    # --- partition-spec redistribute and its planner
+    Case("plan-spec-a-str", lambda: spmd.plan_redistribute((8, 4), "tp", (None, "tp"), {"tp": 4}), TypeError,
+         "src_spec must be a PartitionSpec or a tuple of entries", ctx="none"),
+    Case("plan-unknown-axis", lambda: spmd.plan_redistribute((8, 4), ("pp", None), (None, "tp"), {"tp": 4}),
+         ValueError, "src_spec names mesh axis 'pp' (dim 0), which is not in the mesh", ctx="none"),
+    Case("plan-not-divisible", lambda: spmd.plan_redistribute((6, 4), ("tp", None), (None, "tp"), {"tp": 4}),
+         ValueError, "src_spec shards dim 0 (size 6) over tp(4) = 4 ranks, which does not divide it", ctx="none"),
+    Case("redistribute-spec-unknown", lambda: spmd.redistribute(ty({"tp": S(0)}, 4, 4), PS("pp"), PS(None)),
+         ValueError, "src_spec names mesh axis 'pp' (dim 0), which is not in the mesh"),
+    Case("redistribute-spec-a-str", lambda: spmd.redistribute(ty({"tp": S(0)}, 4, 4), "tp", PS(None)), TypeError,
+         "src_spec must be a PartitionSpec or a tuple of entries"),
+    Case("redistribute-spec-not-the-tensor", lambda: spmd.redistribute(ty({"tp": R}, 4, 4), PS("tp"), PS(None)),
+         spmd.SpmdTypeError, "spmd.redistribute: src_spec (and src_partial) must describe the tensor as it is."),
+    Case("redistribute-spec-bad-entry", lambda: spmd.redistribute(ty({"tp": S(0)}, 4, 4), PS("tp"), (1, None)),
+         TypeError, "dst_spec entries are None, an axis name or a tuple of axis names; got 1"),
+    Case("convert-sizes-with-v", lambda: spmd.convert(t(4, 4), "tp", src=R, dst=V, sizes=[1, 1, 1, 1]), ValueError,
+         "spmd.convert: sizes= needs a shard dim (dst=S(d)); dst=V keeps x[rank]", exact=True),
+    Case("assert-shard-bool-dim", lambda: spmd.assert_type(t(4, 4), {"tp": S(True)}), TypeError,
+         "S(dim) needs an int tensor dim, got True"),
+    Case("assert-axis-tuple-key", lambda: spmd.assert_type(t(4), {("dp", "tp"): R}), TypeError,
+         "axis must be a mesh axis name, a ProcessGroup or a 1-D DeviceMesh, got tuple"),
+    Case("typecheck-local-devicemesh", lambda: enter(spmd.typecheck(local=mesh())), TypeError,
+         "typecheck(local=...) takes True, False, an axis name, a collection of axis names or {axis: bool}; got "
+         "DeviceMesh", ctx="mesh"),
+    Case("typecheck-local-bytes", lambda: enter(spmd.typecheck(local=b"tp")), TypeError,
+         "typecheck(local=...) takes True, False, an axis name, a collection of axis names or {axis: bool}; "
+         "got b'tp'", ctx="mesh", exact=True),
+    Case("typecheck-local-tensor", lambda: enter(spmd.typecheck(local=torch.ones(2))), TypeError,
+         "typecheck(local=...) takes True, False, an axis name", ctx="mesh"),
     # --- ordinary typed ops that mix types wrongly (the rules' own errors; no communication)
     Case("add-r-p", lambda: ty({"tp": R}, 4) + ty({"tp": P}, 4), spmd.SpmdTypeError,
          "A pending sum (P) can only be added to another pending sum"),
@@ -530,6 +610,10 @@ def _state() -> tuple:
 
 # Rows the package does not pass yet, each with why; strict: a fix turns the row into a failure to remove here.
 KNOWN_GAPS = {
+    "max-global-src-v": "communicates first: all_reduce(op='max'|'min') (the all_reduce section of "
+    "_collectives.py) runs the collective and then types the result, whose global-SPMD check raises",
+    "no-typecheck-in-types-a-dict": "a dict as no_typecheck's in_types is read as a sequence of its keys; the "
+    "error then blames assert_type ('got 'tp'') instead of naming in_types (_no_typecheck.py)",
     "two-meshes-mixed": "not caught: the rules (_rules.py infer) take the union of the operands' axes, so "
     "{dp: V, tp: R} + {ep: V} is accepted as {dp: V, tp: R, ep: V}",
 }
