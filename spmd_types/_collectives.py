@@ -16,11 +16,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _comm_impl as impl
-from ._asserts import _compatible
 from ._comm_call import (
     Begun,
     Call,
-    _reject_src,
+    _global_spec,
     begin,
     check_input,
     check_local_size,
@@ -35,10 +34,12 @@ from ._comm_call import (
 from ._dtensor_hook import interop, is_dtensor
 from ._errors import Rejection, SpmdTypeError, user_source_line
 from ._local import convert
+from ._mesh import current_mesh
 from ._redistribute_spec import redistribute_spec
 from ._state import STATE
+from ._tensor import _DisableTF
 from ._transitions import ROUTE
-from ._types import I, P, R, SpmdType, V, base_type, check_type_value
+from ._types import I, P, R, S, SpmdType, V, base_type, check_type_value
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
 
@@ -145,12 +146,10 @@ def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str)
         _reject_extreme(opname, comm, src, dst, op)
     if x.is_complex():
         raise TypeError(f"{opname}: op={op!r} needs an ordered dtype, got {x.dtype}")
-    types = getattr(x, "_spmd_types", None) if STATE.checking else None
-    if types is not None:
-        for name in comm.names:
-            if not _compatible(types.get(name), src):
-                _reject_src(opname, x, types, comm, name, types.get(name), src, dst)
+    types = check_input(opname, x, comm, src, dst)
     begun = Begun(opname, src, dst, comm, types)
+    if STATE.global_mode and types is not None:
+        _check_extreme_global(begun, x, op)  # before any communication
     plain = unwrap(x)
     call = Call("all_reduce", src, dst, comm, reduce=op)
     if plain.requires_grad and torch.is_grad_enabled():
@@ -172,6 +171,28 @@ def _reject_extreme(opname: str, comm: Any, src: SpmdType, dst: SpmdType, op: st
     shown = ", ".join(f"{row.src} -> {row.dst}" for row in EXTREME_ROWS)
     call = f"{opname}(x, {comm.label}, src={src.code()}, dst={dst.code()}, op={op!r})"
     raise SpmdTypeError(Rejection(why, [("op", call), ("allowed", shown)], fixes), user_source_line())
+
+
+def _check_extreme_global(begun: Begun, x: torch.Tensor, op: str) -> None:
+    mesh = current_mesh()
+    global_axes = mesh.global_axes(STATE.local_axes) if mesh is not None else frozenset()
+    names = [n for n in begun.comm.names if n in global_axes]
+    if names and begun.src is V:
+        def text(src: SpmdType) -> str:
+            return f"{begun.opname}(x, {begun.comm.label}, src={src.code()}, dst={begun.dst.code()}, op={op!r})"
+
+        raise SpmdTypeError(
+            Rejection(
+                f"{begun.opname}(op={op!r}) with src=V has no global meaning: say which dim with S(d), or run it "
+                "in local SPMD (spmd.local_map).",
+                [("op", text(V)), ("global axes", ", ".join(names))],
+                [text(S(0))],
+            ),
+            user_source_line(),
+        )
+    with _DisableTF():
+        ndim = x.dim()
+    _global_spec(begun, x, ndim)  # the layout's own rejections
 
 
 class _AllReduceExtreme(torch.autograd.Function):

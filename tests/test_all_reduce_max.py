@@ -241,3 +241,29 @@ def test_on_two_gloo_processes(tmp_path):
     assert rows[0]["y"] == rows[1]["y"] == [4.0, 5.0, 2.0] and rows[0]["y_type"] == "{'tp': I}"
     assert rows[0]["z"] == rows[1]["z"] == [1.0, 2.0, 2.0]
     assert [r["grad"] for r in rows] == [[0.0, 10.0, 50.0], [1.0, 0.0, 50.0]]
+
+
+def test_global_spmd_takes_shards_and_refuses_v_before_communicating(tp4):
+    with LocalTensorMode(4), spmd.typecheck(local=False):
+        x = spmd.assert_type(per_rank(lambda r: torch.tensor([[float(r), -float(r)]])), {"tp": S(0)})
+        with CommCounter() as comms:
+            y = spmd.all_reduce(x, "tp", src=S(0), dst=R, op="max")
+        assert comms.counts == {AR: 1}
+        assert spmd.get_type(y) == {"tp": R} and spmd.get_partition_spec(y) == spmd.PartitionSpec(None, None)
+        assert all(v.tolist() == [[3.0, 0.0]] for v in rank_values(y).values())
+        err = _raises(spmd.SpmdTypeError, spmd.all_reduce, x, "tp", src=V, dst=R, op="max")
+    assert err.rule == (
+        "spmd.all_reduce(op='max') with src=V has no global meaning: say which dim with S(d), or run it in local "
+        "SPMD (spmd.local_map)."
+    )
+    assert err.fixes == ("spmd.all_reduce(x, 'tp', src=spmd.S(0), dst=spmd.R, op='max')",)
+
+
+def test_strict_mode_refuses_a_plain_input(tp4):
+    with spmd.typecheck(strict=True):
+        err = _raises(spmd.SpmdTypeError, spmd.all_reduce, torch.ones(2), "tp", src=V, dst=R, op="max")
+    assert err.rule == (
+        "Strict typechecking: spmd.all_reduce got a plain (untyped) tensor, so its src=V cannot be checked; give it "
+        "a type first."
+    )
+    assert err.fixes == ("spmd.assert_type(x, {'tp': spmd.V})",)
