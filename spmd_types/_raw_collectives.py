@@ -176,7 +176,7 @@ def _plan_all_reduce(site: _Site, reduce: str) -> Plan:
                 fixes=(f"spmd.all_gather(x, {lab}, src=spmd.V, dst=spmd.R), then reduce its dim 0 locally",))
 
 
-def _plan_broadcast(site: _Site, root: int) -> Plan:
+def _plan_broadcast(site: _Site, root: int | str) -> Plan:
     src, lab = site.src, site.label
     if src is R or src is I:
         return Plan(src, "x")  # every rank already holds the value
@@ -249,13 +249,19 @@ def _reduce_name(op: Any) -> str:
     return name.lower() if isinstance(name, str) else str(op).lower()
 
 
-def _group_root(a: dict[str, Any], raw: RawOp) -> int:
-    if raw.form is Form.FUNCTIONAL or raw.group == "group_name":
+def _group_root(a: dict[str, Any], raw: RawOp) -> int | str:
+    """The broadcast's source as a rank of its group (``"k"`` when torch itself will reject the arguments)."""
+    if raw.group == "group_name":
         return int(a["src"])
     if a.get("group_src") is not None:
         return int(a["group_src"])
+    if a.get("src") is None:
+        return "k"
     group = a["group"] or dist.distributed_c10d._get_default_group()
-    return dist.get_group_rank(group, a["src"])
+    try:
+        return dist.get_group_rank(group, a["src"])
+    except (ValueError, RuntimeError):  # not a rank of the group: torch says so when it runs
+        return "k"
 
 
 def _even_splits(a: dict[str, Any]) -> bool:
@@ -412,11 +418,14 @@ def _check_output(site: _Site, out: Any, result: TypeMap, plan: Plan) -> None:
 def _functional(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, result: TypeMap) -> Any:
     if plan.run is not None:
         return plan.run(x)
-    rest = (args[1:], kwargs)
     plain = unwrap(x)
 
     def raw_op(t: torch.Tensor) -> torch.Tensor:
-        return torch.ops._c10d_functional.wait_tensor(func(t, *rest[0], **rest[1]))
+        if args and args[0] is x:
+            out = func(t, *args[1:], **kwargs)
+        else:
+            out = func(*args, **{k: (t if v is x else v) for k, v in kwargs.items()})
+        return torch.ops._c10d_functional.wait_tensor(out)
 
     if plain.requires_grad and torch.is_grad_enabled():
         # the value keeps its type (a broadcast of R or I, an all-to-all of V blocks with uneven splits):

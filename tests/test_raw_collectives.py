@@ -434,3 +434,12 @@ def test_functional_all_gather_in_global_spmd():
         assert spmd.get_type(y) == {"tp": R}
         assert spmd.get_partition_spec(y) == spmd.get_partition_spec(spmd.assert_type(torch.zeros(8, 3), {"tp": R}))
     torch.testing.assert_close(denote(y, mesh, {"tp": R}), denote(x, mesh, {"tp": S(0)}))
+
+
+def test_functional_op_with_keyword_input(tp4):
+    x = _typed(tp4, {"tp": R}, grad=True)
+    with CommCounter() as comms:
+        y = torch.ops._c10d_functional.broadcast(input=x, src=0, group_name=_group(tp4).group_name)
+    assert comms.counts == {"broadcast": 1}
+    assert spmd.get_type(y) == {"tp": R}
+    assert all(torch.equal(v, rank_values(x)[r]) for r, v in rank_values(y).items())
