@@ -170,3 +170,20 @@ def test_weights_only_stays_safe(mesh):
         _roundtrip(_Forged((print, ("hi",))))
     assert "Unsupported global: GLOBAL print was not an allowed global by default." in str(info.value)
     assert set(spmd._checkpoint.SAFE_GLOBALS) <= set(torch.serialization.get_safe_globals())
+
+
+def test_global_spmd_partition_specs_survive_the_round_trip(mesh):
+    with spmd.typecheck(local=False):
+        w = torch.nn.Parameter(torch.randn(4, 2))
+        spmd.assert_type(w, {"dp": S(0), "tp": R})
+    got = _roundtrip({"w": w.detach()})["w"]  # detached outside typecheck
+    assert spmd.get_type(got) == {"dp": S(0), "tp": R}
+    assert spmd.get_partition_spec(got) == spmd.PartitionSpec("dp", None)
+
+
+def test_to_keeps_the_type_outside_typecheck(mesh):
+    lin = _typed_model()
+    lin.to(torch.float64)
+    assert lin.weight.dtype == torch.float64 and spmd.get_type(lin.weight) == DP_V
+    assert spmd.get_type(lin.weight.detach().to(torch.float32)) == DP_V
+    assert spmd.get_type((lin.weight * 2).detach()) is None  # other ops outside typecheck stay erased

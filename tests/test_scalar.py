@@ -109,3 +109,14 @@ def test_bad_values(tp4):
         assert str(info.value) == (
             "assert_type takes types as a dict {axis: type}, e.g. {'tp': spmd.R}; got [V]"
         )
+
+
+def test_global_spmd_has_no_place_for_a_per_rank_scalar(tp4):
+    with spmd.typecheck(local=False):
+        assert spmd.get_type(spmd.Scalar(2.0, {"tp": R})) == {"tp": R}
+        with pytest.raises(spmd.SpmdTypeError) as info:
+            spmd.Scalar(2.0, {"tp": V})
+    assert info.value.rule == (
+        "Global SPMD: the tensor is V on axis 'tp', which is checked in global SPMD, but no dim is sharded on it: "
+        "say how it reassembles with S(d) or partition_spec=."
+    )
