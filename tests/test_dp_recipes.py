@@ -69,14 +69,16 @@ def test_dp_workers_exit_cleanly(dp_results):
 # spmd.register_ddp in one process (a fake process group: its all-reduce leaves each value as is)
 
 
-@pytest.fixture
-def ddp_on_fake():
+@pytest.fixture(params=[False, True], ids=["copied-grads", "bucket-view-grads"])
+def ddp_on_fake(request):
+    """A DDP model on a fake dp group, with gradients copied out of DDP's buckets or views into them."""
     from torch.nn.parallel import DistributedDataParallel
 
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    return mesh, model, DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+    ddp = DistributedDataParallel(model, process_group=mesh.get_group("dp"), gradient_as_bucket_view=request.param)
+    return mesh, model, ddp
 
 
 def _grads(model):
