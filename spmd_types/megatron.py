@@ -28,7 +28,7 @@ from ._errors import Rejection
 from ._mesh import current_mesh
 from ._types import I, P, R, S, SpmdType, TypeMap, V
 
-__all__ = ["register", "mesh", "type_parameters", "parameter_types", "axis_of_group", "FUNCTIONS"]
+__all__ = ["register", "mesh", "type_parameters", "parameter_types", "axis_of_group", "track_grad_sync", "FUNCTIONS"]
 
 _REGISTERED: list[type] = []
 
@@ -167,10 +167,15 @@ def _tp_linear(x: SpmdType, w: SpmdType, b: SpmdType | None, sp: bool, ar_dgrad:
         x = R  # reinterpret(x, I -> R): all-reduce backward
     if w is not None and w.is_varying and w is not V and getattr(w, "dim", None) == 1:
         # row-parallel: w sharded on its input dim, the product contracts a sharded dim: a pending sum
-        if not x.is_varying or b is not None:
+        if b is not None:
+            return _reject(f"{what}: a row-parallel product (weight S(1) on {axis!r}) is a pending sum, and a bias "
+                           "inside it would be added once on every rank",
+                           [("axis", axis), ("weight", str(w)), ("bias", str(b))],
+                           ["pass bias=None and add the bias after the all-reduce (RowParallelLinear does)"])
+        if not x.is_varying:
             return _reject(f"{what}: a row-parallel weight (S(1) on {axis!r}) needs an input sharded on its last "
-                           "dim (V) and no bias inside the product",
-                           [("axis", axis), ("input", str(x)), ("weight", str(w)), ("bias", str(b))],
+                           "dim (V)",
+                           [("axis", axis), ("input", str(x)), ("weight", str(w))],
                            [f"spmd.convert(input, {axis!r}, src=spmd.{x}, dst=spmd.S(-1))  # Megatron: "
                             "scatter_to_tensor_model_parallel_region(input)"])
         return P
@@ -227,6 +232,15 @@ def _cross_entropy_rule(group_index: int | None) -> Callable[..., Any]:
     def rule(*args: Any) -> Any:
         logits = args[0]
         tp = axis_of_group(args[group_index]) if group_index is not None else _tp_axis()
+        smoothing = args[2] if group_index is None and len(args) > 2 else 0.0
+        if smoothing:
+            return _reject(
+                "vocab_parallel_cross_entropy with label_smoothing > 0 has no sound type: its forward takes the "
+                "mean log-probability over this rank's vocab shard only, so the loss differs per tp rank "
+                "(neither I nor a pending sum)",
+                [("axis", tp), ("label_smoothing", str(smoothing))],
+                ["vocab_parallel_cross_entropy(logits, labels)  # label_smoothing=0.0",
+                 "all-reduce the smoothing term over tp yourself (Megatron-LM issue #737)"])
 
         def on_tp(lt, _target):
             if lt is None or not lt.is_varying:
@@ -234,9 +248,9 @@ def _cross_entropy_rule(group_index: int | None) -> Callable[..., Any]:
                     f"vocab-parallel cross entropy: its logits must be sharded on the vocab dim (S(-1)) on {tp!r}; "
                     f"its forward all-reduces MAX and SUM over {tp!r} and its backward is local, so the loss is I",
                     [("axis", tp), ("logits", str(lt))],
-                    [f"spmd.convert(logits, {tp!r}, src=spmd.{lt}, dst=spmd.S(-1))"
-                     if lt in (I, R) else
-                     "ColumnParallelLinear(..., gather_output=False) for the output layer"])
+                    ["keep the logits vocab-sharded: GPTModel(parallel_output=True), or the output layer's "
+                     "ColumnParallelLinear(..., gather_output=False)"]
+                    + ([f"spmd.convert(logits, {tp!r}, src=spmd.{lt}, dst=spmd.S(-1))"] if lt in (I, R) else []))
             return I
 
         def other(axis, lt, _target):
@@ -302,8 +316,9 @@ def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
 # the table
 
 
-def _group_arg(i: int) -> Callable[[tuple, dict], str]:
-    return lambda args, kwargs: axis_of_group(args[i])
+def _group_arg(i: int) -> Callable[[tuple, dict], Any]:
+    """The axis of the Function's group argument ``args[i]`` (the group itself when no mesh is current)."""
+    return lambda args, kwargs: axis_of_group(args[i]) if current_mesh() is not None else args[i]
 
 
 def _table() -> list[tuple[type, dict[str, Any], str]]:
@@ -376,6 +391,25 @@ def _table() -> list[tuple[type, dict[str, Any], str]]:
 FUNCTIONS: list[tuple[type, dict[str, Any], str]] = []  # filled by register()
 
 
+def _report_callers_of_megatron_tensor_parallel() -> None:
+    """Errors name the line that called Megatron's tensor_parallel layer, not the layer's own wrapper line.
+
+    ``megatron/core/tensor_parallel`` is library code like torch: an error raised
+    inside one of its wrappers (``return _ReduceFromModelParallelRegion.apply(...)``)
+    is reported at the model code that called the wrapper.
+    """
+    import os
+
+    from megatron.core import tensor_parallel
+
+    from . import _errors
+
+    _errors.user_source()  # sets up the package's own skip list first
+    here = os.path.dirname(os.path.abspath(tensor_parallel.__file__))
+    if here not in _errors._SKIP_DIRS:
+        _errors._SKIP_DIRS = (*_errors._SKIP_DIRS, here)
+
+
 def register() -> list[type]:
     """Register Megatron-core's autograd Functions with their SPMD types (idempotent); returns the classes.
 
@@ -387,6 +421,7 @@ def register() -> list[type]:
     if _REGISTERED:
         return list(_REGISTERED)
     table = _table()
+    _report_callers_of_megatron_tensor_parallel()
     for cls, how, _ in table:
         _af.register_autograd_function(cls, **how)
         _REGISTERED.append(cls)
@@ -457,3 +492,31 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
         p.__dict__.setdefault("_spmd_name", name)
         typed[name] = types
     return typed
+
+
+def track_grad_sync(model: torch.nn.Module, mesh_: dict[str, Any] | None = None) -> Any:
+    """Type the gradient buffers of a Megatron ``DistributedDataParallel`` model and follow their syncs.
+
+    Call after :func:`type_parameters`. Returns a ``GradSyncTracker``: use it as
+    a context manager around ``finalize_model_grads`` (or ``finish_grad_sync``);
+    each ``param.main_grad`` is then typed P on an axis until a collective sums
+    it there. An optimizer step inside ``spmd.typecheck()`` on a gradient still P
+    is rejected naming the parameter; summing a gradient twice is rejected at
+    the collective.
+
+    Example::
+
+        tracker = spmd_megatron.track_grad_sync(ddp_model)
+        with spmd.set_current_mesh(mesh):
+            with spmd.typecheck():
+                ddp_model(tokens, positions, mask, labels=labels).sum().backward()
+            with tracker:
+                finalize_model_grads([ddp_model])
+            for p in ddp_model.parameters():
+                p.grad = p.main_grad
+            with spmd.typecheck():
+                optimizer.step()
+    """
+    from ._megatron_grads import GradSyncTracker
+
+    return GradSyncTracker(model, mesh_ if mesh_ is not None else mesh())

@@ -94,7 +94,7 @@ def gpt_config(tp: int, sp: bool = False, **overrides: Any):
     return TransformerConfig(**args)
 
 
-def build_gpt(tp: int, sp: bool = False, seed: int = 1234, **overrides: Any):
+def build_gpt(tp: int, sp: bool = False, seed: int = 1234, model_kwargs: dict | None = None, **overrides: Any):
     """GPTModel with the local layer spec (and a sequence-parallel LayerNorm when ``sp``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -110,7 +110,8 @@ def build_gpt(tp: int, sp: bool = False, seed: int = 1234, **overrides: Any):
         spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=norm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                        **(model_kwargs or {}))
 
 
 def make_batch(seed: int) -> dict[str, torch.Tensor]:
@@ -259,3 +260,21 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
         patch.undo()
+
+
+# ---------------------------------------------------------------------------
+# fake process group (types only)
+
+
+def fake_gpt(tp: int, dp: int, sp: bool = False, **overrides: Any):
+    """GPTModel on a fake process group of tp*dp ranks (this process is rank 0): (model, mesh, batch)."""
+    from conftest import fake_world
+    from megatron.core import parallel_state as ps
+
+    from spmd_types import megatron as spmd_megatron
+
+    ps.destroy_model_parallel()
+    fake_world(tp * dp)
+    init_parallel(tp)
+    spmd_megatron.register()
+    return build_gpt(tp, sp, **overrides), spmd_megatron.mesh(), make_batch(0)
