@@ -79,9 +79,8 @@ class TransparentScale(torch.autograd.Function):
         return g * 3.0
 
 
-# KNOWN BUG (found by this fuzzer): a transparent Function that saves a typed tensor crashes in backward on
-# LocalTensorMode ("Called aten.detach.default with input of type LocalLTensor and output of type LocalTensor").
-# The generator leaves "fn:silu" out until it is fixed; test_fuzz.py holds the reproducer (xfail).
+# Found by this fuzzer: a transparent Function that saved a typed tensor crashed in backward on LocalTensorMode
+# ("Called aten.detach.default with input of type LocalLTensor ..."); test_fuzz.py keeps the reproducer.
 @spmd.register_autograd_function(transparent=True)
 class CheckpointedSilu(torch.autograd.Function):
     @staticmethod

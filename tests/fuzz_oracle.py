@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "Inp", "Stmt", "Program", "Den", "Mismatch", "ORDINARY", "TYPE_OPS", "TYPE_FUNCTIONS",
+    "Inp", "Stmt", "Step", "Program", "Den", "Mismatch", "ORDINARY", "FOREACH", "TYPE_OPS", "TYPE_FUNCTIONS",
+    "step",
     "read", "evaluate", "gradients", "is_list_type", "backward_type",
 ]
 
@@ -65,9 +66,27 @@ class Stmt:
         if self.op in TYPE_FUNCTIONS:
             return (f"{self.out} = {TYPE_FUNCTIONS[self.op][1]}.apply({args}, group({self.axis!r}))  "
                     f"# claims spmd.{TYPE_FUNCTIONS[self.op][0]}(src={_code(self.src)}, dst={_code(self.dst)})")
+        if self.op in FOREACH:
+            return f"{self.out}_0, {self.out}_1 = {FOREACH[self.op][2].format(*self.args)}"
         if self.op in TYPE_OPS:
             return f"{self.out} = spmd.{self.op}({args}, {self.axis!r}, src={_code(self.src)}, dst={_code(self.dst)}{kw})"
         return f"{self.out} = {ORDINARY[self.op][1].format(*self.args, **dict(self.params))}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """After backward: all-reduce the gradients ``syncs`` ((input, axis) pairs), then one optimizer step on ``params``."""
+
+    optimizer: str  # a torch.optim class name
+    options: tuple[tuple[str, Any], ...]
+    params: tuple[str, ...]
+    syncs: tuple[tuple[str, str], ...]
+
+    def code(self) -> list[str]:
+        lines = [f"{x}.grad = spmd.all_reduce({x}.grad, {a!r}, src=P, dst=R)  # if {x} has a gradient"
+                 for x, a in self.syncs]
+        opts = "".join(f", {k}={v!r}" for k, v in self.options)
+        return lines + [f"torch.optim.{self.optimizer}([{', '.join(self.params)}]{opts}).step()"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +100,7 @@ class Program:
     well_typed: bool = True  # the generator's intent (the checker decides)
     seed: int = 0
     notes: tuple[str, ...] = field(default=())
+    step: Step | None = None  # an optimizer step after the backward (with random cotangents)
 
     def __repr__(self) -> str:
         mesh = ", ".join(f"{a}={n}" for a, n in self.axes)
@@ -90,6 +110,8 @@ class Program:
             lines.append(f"{i.name} = input({{{types}}}, local_shape={i.shape})")
         lines += [s.code() for s in self.stmts]
         lines.append(f"return {', '.join(self.outputs)}")
+        if self.step is not None:
+            lines += ["# backward from the outputs with random cotangents, then:"] + self.step.code()
         lines += [f"# {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -143,6 +165,16 @@ ORDINARY: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "fn:unregistered": (torch.tanh, "UnregisteredTanh.apply({0})"),
 }
 
+# torch._foreach_X over two-element lists: element i is the single-tensor op on element i of every list.
+# name -> (lists taken, the single-tensor op, code)
+FOREACH: dict[str, tuple[int, Callable[..., torch.Tensor], str]] = {
+    "foreach_add": (2, torch.add, "torch._foreach_add([{0}, {1}], [{2}, {3}])"),
+    "foreach_mul": (2, torch.mul, "torch._foreach_mul([{0}, {1}], [{2}, {3}])"),
+    "foreach_scale": (1, lambda a: a * 0.5, "torch._foreach_mul([{0}, {1}], 0.5)"),
+    "foreach_exp": (1, torch.exp, "torch._foreach_exp([{0}, {1}])"),
+    "foreach_norm": (1, torch.linalg.vector_norm, "torch._foreach_norm([{0}, {1}])"),
+}
+
 # Custom autograd Functions registered as a type-changing op: (the op whose specification they claim, class)
 TYPE_FUNCTIONS = {
     "fn:copy_to": ("reinterpret", "CopyToRegion"),
@@ -169,6 +201,7 @@ class Den:
 
     vary: tuple[int, ...]
     data: dict[tuple[int, ...], torch.Tensor]
+    unused: bool = False  # a gradient: the loss does not depend on the input at all
 
 
 def read(values: dict[tuple[int, ...], torch.Tensor], types: tuple[str, ...], names: tuple[str, ...]) -> Den:
@@ -317,7 +350,12 @@ def evaluate(program: Program, inputs: dict[str, Den]) -> dict[str, Den]:
     env = dict(inputs)
     for stmt in program.stmts:
         args = [env[a] for a in stmt.args]
-        if stmt.op in TYPE_OPS or stmt.op in TYPE_FUNCTIONS:
+        if stmt.op in FOREACH:
+            lists, single, _ = FOREACH[stmt.op]
+            for i in range(2):  # element i of each list: args i, 2 + i
+                vary, rows = _broadcast([args[i + 2 * k] for k in range(lists)], sizes)
+                env[f"{stmt.out}_{i}"] = Den(vary, {key: single(*ts) for key, ts in rows})
+        elif stmt.op in TYPE_OPS or stmt.op in TYPE_FUNCTIONS:
             spec = TYPE_FUNCTIONS[stmt.op][0] if stmt.op in TYPE_FUNCTIONS else stmt.op
             env[stmt.out] = _type_op(stmt, spec, args[0], names, sizes)
         else:
@@ -337,7 +375,29 @@ def gradients(outputs: list[Den], cotangents: list[Den], inputs: dict[str, Den])
     grads: Any = [None] * len(leaves)
     if loss.requires_grad:
         grads = torch.autograd.grad(loss, [t for _, _, t in leaves], allow_unused=True)
-    out: dict[str, Den] = {name: Den(d.vary, {}) for name, d in inputs.items()}
+    out: dict[str, Den] = {name: Den(d.vary, {}, unused=True) for name, d in inputs.items()}
     for (name, key, t), g in zip(leaves, grads):
         out[name].data[key] = torch.zeros_like(t) if g is None else g
+        out[name].unused &= g is None
     return out
+
+
+def step(program: Program, inputs: dict[str, Den], grads: dict[str, Den]) -> dict[str, Den]:
+    """The parameters after ``program.step``: the same optimizer, on the meanings, with the meanings' gradients.
+
+    An optimizer updates each element from that element's own gradient, so a list (V) parameter is
+    one parameter per entry, and an R parameter one tensor whose gradient is the whole gradient.
+    """
+    assert program.step is not None
+    params = []
+    new: dict[str, Den] = {}
+    for name in program.step.params:
+        d = inputs[name]
+        new[name] = Den(d.vary, {})
+        for key, t in d.data.items():
+            p = t.detach().clone().requires_grad_()
+            p.grad = None if grads[name].unused else grads[name].data[key].detach().clone()
+            params.append(p)
+            new[name].data[key] = p
+    getattr(torch.optim, program.step.optimizer)(params, **dict(program.step.options)).step()
+    return new
