@@ -1,0 +1,123 @@
+"""``spmd.local_map`` with DTensor arguments, and examples/dtensor_local_map.py run as a test."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import fake_mesh
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+import spmd_types as spmd
+from spmd_types.interop.propagation import plain_dtensor
+from spmd_types.testing import CommCounter, random_value, rank_values
+
+I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dtensor_local_map.py"
+
+
+def strict(placements) -> tuple:
+    return tuple((type(p).__name__, getattr(p, "dim", None)) for p in placements)
+
+
+def _mm(h, w):
+    return h @ w
+
+
+def _pair(h, w):
+    return h * 2, w
+
+
+def _inputs(mesh):
+    h = spmd.to_dtensor(random_value(mesh, {"dp": S(0), "tp": S(1)}, (2, 4)), mesh, [Shard(0), Shard(1)])
+    w = spmd.to_dtensor(random_value(mesh, {"dp": R, "tp": S(0)}, (4, 3), seed=1), mesh, [spmd.Reduced(), Shard(0)])
+    return h.detach().requires_grad_(), w.detach().requires_grad_()
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "erased"])
+def test_local_map_on_dtensors_gives_dtensors_with_the_declared_placements(typed):
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    seen = []
+
+    @spmd.local_map(in_types=[{"dp": S(0), "tp": S(1)}, {"tp": S(0)}], out_types={"dp": S(0), "tp": P})
+    def body(h, w):
+        seen.append((spmd.get_type(h), spmd.get_type(w)))
+        return spmd.reinterpret(h @ w, "tp", src=V, dst=P)
+
+    with LocalTensorMode(4):
+        h, w = _inputs(mesh)
+        with spmd.typecheck() if typed else _nothing():
+            out = body(h, w)
+        assert isinstance(out, DTensor) and strict(out.placements) == (("Shard", 0), ("Partial", None))
+        full = lambda t: rank_values(plain_dtensor(t).full_tensor())[0]  # noqa: E731
+        h1, w1 = full(h).requires_grad_(), full(w).requires_grad_()
+        (h1 @ w1).sum().backward()
+        torch.testing.assert_close(full(out), (h1 @ w1).detach())
+        with CommCounter() as comms:
+            out.sum().backward()
+        assert comms.counts == {}  # the gradients enter and leave the region with no communication
+        assert strict(w.grad.placements) == (("Partial", None), ("Shard", 0))  # R on dp: a pending sum
+        torch.testing.assert_close(full(w.grad), w1.grad)
+        torch.testing.assert_close(full(h.grad), h1.grad)
+    if typed:
+        assert seen == [({"dp": S(0), "tp": S(1)}, {"dp": R, "tp": S(0)})]
+    else:
+        assert seen == [(None, None)]
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_local_map_on_dtensors_checks_in_and_out_types():
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    with LocalTensorMode(4):
+        h, w = _inputs(mesh)
+        bad_in = spmd.local_map(_mm, in_types=[{"tp": R}, None], out_types={"dp": S(0), "tp": P})
+        with spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as info:
+            bad_in(h, w)
+        assert info.value.rule == (
+            "Type assertion failed: the DTensor is Shard(dim=1) (S(1)) on axis 'tp', and the assertion says R.")
+        partial_out = spmd.local_map(_mm, in_types=[None, None], out_types={"tp": P})
+        with pytest.raises(ValueError) as err:
+            partial_out(h, w)
+        assert str(err.value) == (
+            "local_map(_mm): output 0 becomes a DTensor, so its out_types must give a type for every mesh dim "
+            "('dp', 'tp'); missing ('dp',)")
+        forgot = spmd.local_map(_mm, in_types=[None, None], out_types={"dp": S(0), "tp": P})
+        with spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as info:
+            forgot(h, w)
+        assert info.value.rule == "local_map: output 0 of _mm is V on axis 'tp', and out_types declares P."
+        stacked = spmd.local_map(lambda h: h, in_types=[None], out_types={"dp": V, "tp": V})
+        with pytest.raises(ValueError) as err:
+            stacked(h)
+        assert str(err.value).startswith("type_to_placement: V has no DTensor placement")
+
+
+def test_local_map_tuple_outputs_and_mixed_meshes():
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    with LocalTensorMode(4):
+        h, w = _inputs(mesh)
+        pair = spmd.local_map(_pair, in_types=[None, None],
+                              out_types=[{"dp": S(0), "tp": S(1)}, None])
+        a, b = pair(h, w)
+        assert isinstance(a, DTensor) and strict(a.placements) == (("Shard", 0), ("Shard", 1))
+        assert not isinstance(b, DTensor)
+        other = spmd.to_dtensor(torch.ones(2), mesh["dp"], [Partial()])
+        with pytest.raises(ValueError) as err:
+            pair(h, other)
+        assert str(err.value) == "local_map(_pair): its DTensor arguments live on different meshes"
+
+
+def test_example_runs():
+    out = runpy.run_path(str(EXAMPLE), run_name="__main__")
+    assert out["RESULT"]["forward"] == {"all_gather": 2, "all_reduce": 1}
+    assert out["RESULT"]["backward"] == {"reduce_scatter": 2, "all_reduce": 1}
+    assert out["RESULT"]["gathered"] == "(Reduced(), Shard(dim=0))"
