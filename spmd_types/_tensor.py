@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import Rejection, SpmdTypeError, op_error, user_source_line
 from ._function_guard import check_no_unregistered_function
@@ -310,6 +311,8 @@ def _run(func, args, kwargs):
     if func in _AUTOGRAD_RUNS:
         return _run_backward(func, args, kwargs)
     if _dispatch_depth():
+        if STATE.checking:
+            return _run_swapped(func, args, kwargs, _inplace_destination(func, args))
         if func in _UNCHECKED or func in _PASSTHROUGH:
             return _run_swapped(func, args, kwargs)
         return _run_on_aliases(func, args, kwargs)
@@ -338,10 +341,20 @@ def _swap_to_base(args, kwargs) -> list[tuple[torch.Tensor, type]]:
     return swapped
 
 
-def _run_swapped(func, args, kwargs):
+def _run_swapped(func, args, kwargs, dest=None):
+    """Run ``func`` with its typed wrappers given their base classes (and an in-place destination's base).
+
+    Inside typecheck() this is how every op runs under a dispatch mode: autograd
+    then saves the typed objects themselves, and a backward pass started from a
+    typed root (``_run_backward``) hands them to the mode in its own class.
+    """
     if func in _AUTOGRAD_RUNS:
         return _run_backward(func, args, kwargs)
     swapped = _swap_to_base(args, kwargs)
+    if dest is not None and type(dest._base) in _SWAP_BACK:
+        # an in-place op on a view makes autograd replay the view on its base
+        swapped.append((dest._base, type(dest._base)))
+        dest._base.__class__ = _SWAP_BACK[type(dest._base)]
     try:
         with _DisableTF():
             return func(*args, **kwargs)
@@ -374,10 +387,26 @@ def _run_backward(func, args, kwargs):
     for a in (*args, *kwargs.values()):
         visit(a)
     try:
+        if _dispatch_depth():
+            with _SwapMode():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
     finally:
         for x, tp in swapped:
             x.__class__ = tp
+
+
+class _SwapMode(TorchDispatchMode):
+    """Backward formulas meet the typed objects autograd saved: hand them to the mode below in its class."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        swapped = _swap_to_base(args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for x, tp in swapped:
+                x.__class__ = tp
 
 
 def _run_on_aliases(func, args, kwargs):
