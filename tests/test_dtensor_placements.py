@@ -222,6 +222,11 @@ def test_typed_ops_on_dtensor_reject_bad_inputs_before_any_comm():
             "spmd.redistribute on a DTensor takes one mesh axis with src= and dst=; for a change of whole layout "
             "use DTensor.redistribute")
         assert _message(ValueError, spmd.convert, dt, "tp", src=S(0), dst=V).endswith("pass dst=spmd.S(d)")
+        uneven = DTensor.from_local(torch.ones(3, 2), mesh, [Shard(0), Replicate()], shape=torch.Size([5, 2]),
+                                    stride=(2, 1))
+        assert _message(NotImplementedError, spmd.all_gather, uneven, "dp", src=S(0), dst=R) == (
+            "spmd.all_gather on a DTensor: tensor dim 0 (size 5) is split unevenly into 2 shards; typed ops on "
+            "DTensors need even shards (pad it, or use DTensor.redistribute)")
     assert comms.counts == {}
 
 

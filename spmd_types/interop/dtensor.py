@@ -309,12 +309,28 @@ def typed_op(fn: Callable[..., torch.Tensor], x: DTensor, axis: Any, **kwargs: A
                 f"DTensor result would not mean the same tensor; pass {what}={shown}"
             )
     _check_nested_shards(opname, x, k, src, dst)
+    _check_even(opname, x)
     with checked_local(mesh):
         local = from_dtensor(x)
         out = fn(local, name, **kwargs)
     placements = list(x.placements)
     placements[k] = type_to_placement(dst)
     return to_dtensor(out, mesh, placements)
+
+
+def _check_even(opname: str, x: DTensor) -> None:
+    """Reject uneven shards: every rank's local shape must be the same for the collectives."""
+    mesh = x.device_mesh
+    for d in range(x.dim()):
+        ways = 1
+        for j, p in enumerate(x.placements):
+            if type(p) is Shard and p.dim % x.dim() == d:
+                ways *= mesh.size(j)
+        if x.shape[d] % ways:
+            raise NotImplementedError(
+                f"{opname} on a DTensor: tensor dim {d} (size {x.shape[d]}) is split unevenly into {ways} shards; "
+                "typed ops on DTensors need even shards (pad it, or use DTensor.redistribute)"
+            )
 
 
 def _check_nested_shards(opname: str, x: DTensor, k: int, src: Any, dst: Any) -> None:
