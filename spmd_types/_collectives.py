@@ -26,13 +26,13 @@ from ._comm_call import (
     check_sizes,
     finish,
     norm_dim,
-    register,
     resolve_comm,
     type_result,
     unwrap,
 )
 from ._dtensor_hook import interop, is_dtensor
 from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._kernels import keeps_shards
 from ._local import convert
 from ._mesh import current_mesh
 from ._redistribute_spec import redistribute_spec
@@ -108,13 +108,6 @@ def all_reduce(
         raise ValueError(f"spmd.all_reduce: op must be 'sum', 'avg', 'max' or 'min', got {op!r}")
     begun = begin("all_reduce", x, axis, P if src is None else src, dst, op)
     return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op), x)
-
-
-def _all_reduce_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    return impl.all_reduce(x, call.comm, call.reduce)
-
-
-register("all_reduce", _all_reduce_kernel)
 
 
 class ExtremeRow(NamedTuple):
@@ -254,14 +247,6 @@ def all_gather(
     return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes), x)
 
 
-def _all_gather_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    out = impl.all_gather(x, call.comm, call.dim, call.sizes)
-    return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
-
-
-register("all_gather", _all_gather_kernel)
-
-
 # ---------------------------------------------------------------------------
 # reduce_scatter: P -> V (backward all_gather(V, R))
 
@@ -304,13 +289,6 @@ def reduce_scatter(
     return finish(begun, Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op), x)
 
 
-def _reduce_scatter_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    return impl.reduce_scatter(x, call.comm, call.dim, call.reduce, call.sizes)
-
-
-register("reduce_scatter", _reduce_scatter_kernel)
-
-
 # ---------------------------------------------------------------------------
 # all_to_all: V -> V, S(i) -> S(j) (backward all_to_all S(j) -> S(i))
 
@@ -343,25 +321,10 @@ def all_to_all(
             f"{opname}: with src={begun.src}, dst={begun.dst} give split_dim= and concat_dim= "
             "(or use src=S(i), dst=S(j), which say them)"
         )
-    if not _keeps_shards(begun.src, begun.dst):
+    if not keeps_shards(begun.src, begun.dst):
         _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
     call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat)
     return finish(begun, call, x)
-
-
-def _keeps_shards(src: SpmdType, dst: SpmdType) -> bool:
-    """S(d) -> S(d): the shards of dim d stay its shards (concat(xs, d).chunk(n, d) is xs), so nothing moves."""
-    return src == dst and src is not V
-
-
-def _all_to_all_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    if _keeps_shards(call.src, call.dst):  # the identity; its dual is S(d) -> S(d) again
-        return x.view_as(x)
-    out = impl.all_to_all(x, call.comm, call.split_dim, call.concat_dim)  # type: ignore[arg-type]
-    return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
-
-
-register("all_to_all", _all_to_all_kernel)
 
 
 # ---------------------------------------------------------------------------

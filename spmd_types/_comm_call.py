@@ -7,19 +7,21 @@ through :func:`backward_type`, split/concat dims swapped. :func:`run` runs a
 call, through its ``torch.autograd.Function`` when a gradient is needed, so
 the backward of a backward is again a call.
 
-The op sections (``_local.py``, ``_collectives.py``) register their autograd
-Function and kernel with :func:`register`.
+The kernels (plain-tensor forwards) live below, in ``_kernels``; the op
+sections (``_local.py``, ``_collectives.py``) build calls and never register
+anything, so nothing here imports them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from ._asserts import _compatible
 from ._comm_impl import AxisComm
 from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._kernels import KERNELS
 from ._mesh import current_mesh, resolve_axis
 from ._state import STATE
 from ._strict import untyped_input
@@ -27,7 +29,7 @@ from ._tensor import _DisableTF, _run, _wrap, format_tensor_type
 from ._transitions import allowed, backward_of, find, route_call
 from ._types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value
 
-__all__ = ["Call", "dual", "run", "register", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
+__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
 
 _REDUCE_OPS = ("sum", "avg")
 
@@ -55,13 +57,12 @@ def dual(call: Call) -> Call:
     )
 
 
-_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
-_KERNELS: dict[str, Callable[[torch.Tensor, Call], torch.Tensor]] = {}
 _PRE_REDUCE = ("all_reduce", "reduce_scatter")
 
 
-def register(op: str, kernel: Callable[[torch.Tensor, Call], torch.Tensor]) -> None:
-    """Make ``op``'s autograd Function: forward is ``kernel``, backward is the op's dual from the table."""
+def _make_function(op: str) -> type[torch.autograd.Function]:
+    """``op``'s autograd Function: forward is its kernel, backward is the op's dual from the table."""
+    kernel = KERNELS[op]
 
     class _Op(torch.autograd.Function):
         @staticmethod
@@ -74,8 +75,10 @@ def register(op: str, kernel: Callable[[torch.Tensor, Call], torch.Tensor]) -> N
             return run(dual(ctx.call), g), None
 
     _Op.__name__ = _Op.__qualname__ = "".join(part.title() for part in op.split("_"))
-    _FUNCTIONS[op] = _Op
-    _KERNELS[op] = kernel
+    return _Op
+
+
+_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {op: _make_function(op) for op in KERNELS}
 
 
 def run(call: Call, x: torch.Tensor) -> torch.Tensor:
@@ -84,15 +87,9 @@ def run(call: Call, x: torch.Tensor) -> torch.Tensor:
         # src=V on a reduction means reinterpret V -> P first (seed 003); both halves keep their own backward.
         x = run(call._replace(op="reinterpret", dst=P, reduce="sum"), x)
         call = call._replace(src=P)
-    if not _FUNCTIONS:
-        _load_sections()
     if x.requires_grad and torch.is_grad_enabled():
         return _FUNCTIONS[call.op].apply(x, call)
-    return _KERNELS[call.op](x, call)
-
-
-def _load_sections() -> None:
-    from . import _collectives, _local  # noqa: F401 - they register their ops
+    return KERNELS[call.op](x, call)
 
 
 # ---------------------------------------------------------------------------

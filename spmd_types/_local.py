@@ -12,10 +12,9 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _comm_impl as impl
-from ._comm_call import Call, begin, check_sizes, finish, norm_dim, register
+from ._comm_call import Call, begin, check_sizes, finish, norm_dim
 from ._dtensor_hook import interop, is_dtensor
-from ._types import I, P, R, SpmdType, V, base_type
+from ._types import SpmdType, V, base_type
 
 __all__ = ["reinterpret", "convert"]
 
@@ -42,13 +41,6 @@ def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> 
         return interop().typed_op(reinterpret, x, axis, src=src, dst=dst)
     begun = begin("reinterpret", x, axis, src, dst)
     return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm), x)
-
-
-def _reinterpret_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    return impl.scaled(x, call.reduce, call.comm.size)
-
-
-register("reinterpret", _reinterpret_kernel)
 
 
 # ---------------------------------------------------------------------------
@@ -112,26 +104,3 @@ def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: An
             f"{label}; {length} is not divisible by {n}. Pass sizes= (one per rank) for uneven shards."
         )
     return dim
-
-
-_CONVERT_KIND = {
-    (R, I): "same", (I, R): "same", (R, V): "take", (I, V): "take",
-    (R, P): "first", (I, P): "first", (V, P): "place",
-}
-
-
-def _convert_kernel(x: torch.Tensor, call: Call) -> torch.Tensor:
-    kind = _CONVERT_KIND[(base_type(call.src), base_type(call.dst))]
-    comm = call.comm
-    if kind == "same":
-        out = x.view_as(x)
-    elif kind == "take":
-        out = impl.take_slice(x, comm, call.dim, call.sizes)
-    elif kind == "first":
-        out = impl.keep_on_first(x, comm)
-    else:
-        out = impl.place_slice(x, comm, call.dim, call.sizes)
-    return out if call.reduce == "sum" else impl.scaled(out, call.reduce, comm.size)
-
-
-register("convert", _convert_kernel)
