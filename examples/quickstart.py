@@ -56,7 +56,7 @@ def main() -> None:
     dist.init_process_group("fake", rank=0, world_size=2 * TP, store=FakeStore())
     mesh = init_device_mesh("cpu", (2, TP), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    x = torch.randn(8, HIDDEN)
+    x = torch.randn(8, HIDDEN, requires_grad=True)  # an activation: its gradient flows back to earlier layers
 
     with spmd.set_current_mesh(mesh):
         print("1. The bug: the input is never converted from I to R before the column-parallel matmul.\n")
