@@ -189,10 +189,11 @@ def random_value(mesh: Any, types: Mapping[str, SpmdType], shape: tuple[int, ...
     layout = mesh.mesh
     keep = [i for i, a in enumerate(names) if types[a] not in (R, I)]
     by_rank: dict[int, torch.Tensor] = {}
-    for coord in _coords(layout.shape):
-        key = tuple(coord[i] for i in keep)
-        g = torch.Generator().manual_seed(seed * 1000003 + hash(key) % 1000003)
-        by_rank[int(layout[coord])] = torch.randn(shape, generator=g)
+    with _outside_simulation():  # one plain draw per rank (under the simulator randn would draw per rank again)
+        for coord in _coords(layout.shape):
+            key = tuple(coord[i] for i in keep)
+            g = torch.Generator().manual_seed(seed * 1000003 + hash(key) % 1000003)
+            by_rank[int(layout[coord])] = torch.randn(shape, generator=g)
     return per_rank(lambda r: by_rank[r].clone())
 
 
