@@ -131,3 +131,19 @@ def test_leaf_gradient_and_detach_keep_reduced_and_backward_values_are_dtensors(
         (x @ w2).sum().backward()
         full = rank_values(plain_dtensor(w.grad).full_tensor())[0]
         torch.testing.assert_close(full, rank_values(plain_dtensor(w2.grad).full_tensor())[0])
+
+
+def test_leaving_reduced_and_what_dtensor_itself_refuses():
+    """docs/dtensor.md, "not supported": convert R -> I is the way back to Replicate()."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = fake_mesh((2,), ("dp",))
+    with LocalTensorMode(2):
+        x = _dt(mesh, [Rd])
+        y = spmd.convert(x, "dp", src=R, dst=I)
+        assert strict(y.placements) == (("Replicate", None),) and type(y) is DTensor
+        with pytest.raises(RuntimeError, match="redistribute from Rd to R not supported yet"):
+            x.redistribute(mesh, [Rep])
+        by_hand = DTensor.from_local(torch.ones(3), mesh, [Rd])
+        with pytest.raises(RuntimeError, match="redistribute from Rd to R not supported yet"):
+            by_hand + 1
