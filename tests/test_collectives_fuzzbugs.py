@@ -12,15 +12,13 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from conftest import fake_mesh
-from torch.distributed._local_tensor import LocalTensorMode, maybe_disable_local_tensor_mode
+from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types.testing import CommCounter, denote, pair, per_rank, rank_values
+from spmd_types.testing import CommCounter, denote, pair, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
 
@@ -32,19 +30,6 @@ def tp4():
         yield mesh
 
 
-def _value(mesh, types, shape, seed=0):
-    """Per-rank random values of ``types`` (equal across an R/I axis), drawn outside the simulation."""
-    names = list(mesh.mesh_dim_names)
-    with maybe_disable_local_tensor_mode():
-        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        coords = list(itertools.product(*[range(n) for n in mesh.mesh.shape]))
-        by_rank = {}
-        for r, coord in zip(ranks, coords):
-            key = tuple(c for c, a in zip(coord, names) if types[a] not in (R, I))
-            g = torch.Generator().manual_seed(seed * 1009 + hash(key) % 1009)
-            by_rank[r] = torch.randn(shape, generator=g)
-    return per_rank(lambda r: by_rank[r].clone())
-
 
 def _spec_all_to_all(xs: list[torch.Tensor], i: int, j: int) -> list[torch.Tensor]:
     """Seed 003's all_to_all(S(i) -> S(j)) on the per-rank list: concat(xs, i).chunk(n, j)."""
@@ -53,7 +38,7 @@ def _spec_all_to_all(xs: list[torch.Tensor], i: int, j: int) -> list[torch.Tenso
 
 @pytest.mark.parametrize("i,j", [(0, 0), (1, 1), (0, 1), (1, 0)])
 def test_all_to_all_matches_the_seed_spec(tp4, i, j):
-    x = _value(tp4, {"tp": V}, (4, 8), seed=i * 2 + j)
+    x = random_value(tp4, {"tp": V}, (4, 8), seed=i * 2 + j)
     x.requires_grad_()
     with CommCounter() as comms:
         y = spmd.all_to_all(x, "tp", src=S(i), dst=S(j))
@@ -63,7 +48,7 @@ def test_all_to_all_matches_the_seed_spec(tp4, i, j):
         torch.testing.assert_close(v, want[r])
     expected = {} if i == j else {"all_to_all": 1}
     assert comms.counts == expected, "S(d) -> S(d) moves nothing"
-    g = _value(tp4, {"tp": V}, tuple(y.shape), seed=9)
+    g = random_value(tp4, {"tp": V}, tuple(y.shape), seed=9)
     with CommCounter() as comms:
         (gx,) = torch.autograd.grad(y, x, g)
     assert comms.counts == expected
@@ -71,7 +56,7 @@ def test_all_to_all_matches_the_seed_spec(tp4, i, j):
 
 
 def test_all_to_all_same_shard_needs_no_divisible_dim(tp4):
-    x = _value(tp4, {"tp": V}, (3, 5))  # 5 is not divisible by 4: nothing is split
+    x = random_value(tp4, {"tp": V}, (3, 5))  # 5 is not divisible by 4: nothing is split
     with spmd.typecheck():
         t = spmd.assert_type(x, {"tp": S(1)})
         with CommCounter() as comms:
@@ -82,7 +67,7 @@ def test_all_to_all_same_shard_needs_no_divisible_dim(tp4):
 
 
 def test_all_to_all_same_shard_in_global_spmd(tp4):
-    x = _value(tp4, {"tp": V}, (2, 8))
+    x = random_value(tp4, {"tp": V}, (2, 8))
     with spmd.typecheck(local=False):
         t = spmd.assert_type(x, {"tp": S(0)})
         with CommCounter() as comms:
@@ -97,7 +82,7 @@ def test_all_to_all_same_shard_in_global_spmd(tp4):
 
 
 def test_redistribute_same_type_checks_src(tp4):
-    x = _value(tp4, {"tp": V}, (4, 2))
+    x = random_value(tp4, {"tp": V}, (4, 2))
     with spmd.typecheck():
         v = spmd.assert_type(x, {"tp": V})
         with CommCounter() as comms:

@@ -8,8 +8,6 @@ comes before any communication. Numerics on simulated ranks.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +17,7 @@ from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode, maybe
 
 import spmd_types as spmd
 from spmd_types._raw_collectives import RAW_OPS, Form
-from spmd_types.testing import CommCounter, denote, pair, per_rank, rank_values
+from spmd_types.testing import CommCounter, denote, pair, per_rank, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
 
@@ -38,22 +36,9 @@ def mesh2x2():
         yield mesh
 
 
-def _value(mesh, types, shape, seed=0):
-    """Per-rank random values of ``types``, drawn outside the simulation (so each rank's value is plain)."""
-    names = list(mesh.mesh_dim_names)
-    with maybe_disable_local_tensor_mode():
-        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        coords = list(itertools.product(*[range(n) for n in mesh.mesh.shape]))
-        by_rank = {}
-        for r, coord in zip(ranks, coords):
-            key = tuple(c for c, a in zip(coord, names) if types[a] not in (R, I))
-            g = torch.Generator().manual_seed(seed * 1009 + hash(key) % 1009)
-            by_rank[r] = torch.randn(shape, generator=g)
-    return per_rank(lambda r: by_rank[r].clone())
-
 
 def _typed(mesh, types, shape=(4, 2), seed=0, grad=False):
-    x = _value(mesh, types, shape, seed)
+    x = random_value(mesh, types, shape, seed)
     if grad:
         x.requires_grad_()
     return spmd.assert_type(x, types)
@@ -244,7 +229,7 @@ def test_reduce_scatter_and_all_to_all_into_typed_outputs(tp4):
 
 
 def _adjoint(mesh, x, y, in_types, out_types, seed=7):
-    g = _value(mesh, {a: spmd.backward_type(t) for a, t in out_types.items()}, tuple(y.shape), seed)
+    g = random_value(mesh, {a: spmd.backward_type(t) for a, t in out_types.items()}, tuple(y.shape), seed)
     with CommCounter() as comms:
         (gx,) = torch.autograd.grad(y, x, g)
     torch.testing.assert_close(pair(y, g, mesh, out_types), pair(x, gx, mesh, in_types), rtol=1e-5, atol=1e-5)
@@ -429,7 +414,7 @@ def test_input_untyped_on_the_group_axis():
 def test_functional_all_gather_in_global_spmd():
     mesh = fake_mesh((4,), ("tp",))
     with LocalTensorMode(4), spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
-        x = spmd.assert_type(_value(mesh, {"tp": V}, (2, 3)), {"tp": S(0)})
+        x = spmd.assert_type(random_value(mesh, {"tp": V}, (2, 3)), {"tp": S(0)})
         y = fc.all_gather_single(x, 0, mesh.get_group("tp"))
         assert spmd.get_type(y) == {"tp": R}
         assert spmd.get_partition_spec(y) == spmd.get_partition_spec(spmd.assert_type(torch.zeros(8, 3), {"tp": R}))
