@@ -241,3 +241,19 @@ def test_typed_op_gathers_the_inner_mesh_dim_of_a_doubly_sharded_dim():
         full_in = rank_values(plain_dtensor(dt).full_tensor())[0]
         full_out = rank_values(plain_dtensor(out).full_tensor())[0]
         assert torch.equal(full_in, full_out)
+
+
+def test_the_issue_repros_now_type_or_refuse():
+    """Issue 8: reinterpret returned a DTensor untyped, convert(R -> S(0)) of a Replicate DTensor a wrong one."""
+    mesh = fake_mesh((2,), ("tp",))
+    with LocalTensorMode(2), spmd.set_current_mesh(mesh), spmd.typecheck():
+        dt = _dt(random_value(mesh, {"tp": I}, (4,)), mesh, [Replicate()])
+        out = spmd.reinterpret(dt, "tp", src=I, dst=R)
+        assert strict(out.placements) == (("Reduced", None),)
+        assert spmd.get_type(spmd.from_dtensor(out)) == {"tp": R}
+        msg = _message(spmd.SpmdTypeError, spmd.convert, dt, "tp", src=R, dst=S(0))
+        assert msg.splitlines()[0] == (
+            "spmd.convert's src= must be the input's type on the axis: src=R, but the tensor is I on axis 'tp'.")
+        ok = spmd.convert(dt, "tp", src=I, dst=S(0))
+        assert strict(ok.placements) == (("Shard", 0),)
+        assert torch.equal(rank_values(ok.full_tensor())[0], rank_values(dt._local_tensor)[0])
