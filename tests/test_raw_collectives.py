@@ -428,3 +428,60 @@ def test_functional_op_with_keyword_input(tp4):
     assert comms.counts == {"broadcast": 1}
     assert spmd.get_type(y) == {"tp": R}
     assert all(torch.equal(v, rank_values(x)[r]) for r, v in rank_values(y).items())
+
+
+# ---------------------------------------------------------------------------
+# real processes: 4 gloo ranks on a (dp=2, tp=2) mesh, where each rank resolves its own groups
+
+
+def _gloo_worker(rank: int, init_method: str, out_dir: str) -> None:
+    import datetime
+    import json
+    import os
+    import traceback
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    row: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=4,
+                                timeout=datetime.timedelta(seconds=60))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            x = spmd.assert_type(torch.full((2,), float(rank + 1)), {"dp": P, "tp": P})
+            everywhere = fc.all_reduce(x, "sum", dist.group.WORLD)  # the default group: both axes
+            along_dp = fc.all_reduce(x, "sum", mesh.get_group("dp"))
+            try:
+                dist.all_reduce(x)
+            except spmd.SpmdTypeError as err:
+                row["in_place_fix"] = err.fixes[0]
+            w = spmd.assert_type(torch.full((2,), float(rank)), {"dp": I, "tp": I})
+            with torch.no_grad():
+                dist.broadcast(w, 0)
+        row.update(everywhere=[everywhere.tolist(), str(spmd.get_type(everywhere))],
+                   along_dp=[along_dp.tolist(), str(spmd.get_type(along_dp))], broadcast=w.tolist())
+        dist.destroy_process_group()
+    except Exception:
+        row["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+
+
+def test_on_gloo_processes(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    if not dist.is_gloo_available():
+        pytest.skip("gloo is not available")
+    mp.start_processes(_gloo_worker, args=("file://" + str(tmp_path / "store"), str(tmp_path)), nprocs=4,
+                       join=True, start_method="spawn")
+    rows = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    for r, row in rows.items():
+        assert "error" not in row, row.get("error")
+        assert row["everywhere"] == [[10.0, 10.0], "{'dp': R, 'tp': R}"]
+        dp_sum = (r + 1) + ((r + 2) % 4 + 1)  # the dp line through rank r: ranks r and (r + 2) % 4
+        assert row["along_dp"] == [[float(dp_sum)] * 2, "{'dp': R, 'tp': P}"]
+        assert row["in_place_fix"] == "x = spmd.all_reduce(x, ('dp', 'tp'), src=spmd.P, dst=spmd.R)"
+        assert row["broadcast"] == [0.0, 0.0]
