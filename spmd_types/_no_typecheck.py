@@ -49,6 +49,11 @@ def no_typecheck(
         with spmd.no_typecheck():
             stats = debug_stats(x)      # plain values, checking off in this block
     """
+    if isinstance(in_types, Mapping):
+        raise TypeError(
+            f"spmd.no_typecheck: in_types takes one type dict (or None) per positional argument, got one dict "
+            f"{in_types!r}: write in_types=[{in_types!r}]"
+        )
     region = _Region(in_types, out_types)
     return region(fn) if fn is not None else region
 

@@ -170,6 +170,9 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
         for a in op.types.axes():  # type: ignore[union-attr]
             if a not in axes:
                 axes.append(a)
+    for op in typed:
+        if len(op.types.items) != len(axes):  # type: ignore[union-attr]
+            return _two_meshes(entry, typed, op, axes)
     if row.kind in (RuleKind.PASSTHROUGH, RuleKind.FACTORY):
         first = typed[0].types
         assert isinstance(first, TypeMap)
@@ -375,6 +378,17 @@ def _i_mix(entry, operands, axis, inv, other) -> Rejection:
         "gradient is all-reduced in backward.",
         _seen(entry, operands, axis, f"{inv.label} is I and {other.label} is {t}"),
         [_call("convert", inv.label, axis, I, R)],
+    )
+
+
+def _two_meshes(entry, typed, op, axes) -> Rejection:
+    missing = [a for a in axes if a not in op.types]  # type: ignore[operator]
+    return Rejection(
+        f"{entry.display} mixes tensors typed on different meshes: {op.label} has no type on axis "
+        f"{', '.join(repr(a) for a in missing)}. A type names every axis of the mesh it was given on, so "
+        "these operands come from two meshes.",
+        [("op", entry.display), ("operands", "\n".join(f"{o.label}: {o.shown()}" for o in typed))],
+        ["type both operands under the same `spmd.set_current_mesh(mesh)`"],
     )
 
 

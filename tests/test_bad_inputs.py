@@ -488,7 +488,8 @@ CASES: list[Case] = [
     Case("local-map-no-mesh", lambda: enter_check_then(lambda: local_map_call(ident, [None], {"tp": R}, t(4))),
          RuntimeError, "local_map needs a current mesh", ctx="none"),
     # --- tensors typed on two meshes mixed; explicit-partial ops
-    Case("two-meshes-mixed", two_meshes, spmd.SpmdTypeError, "mesh"),
+    Case("two-meshes-mixed", two_meshes, spmd.SpmdTypeError, "mixes tensors typed on different meshes: input has "
+         "no type on axis 'ep'."),
     Case("sum-out-partial-unknown", lambda: spmd.sum(ty({"tp": V}, 4), out_partial_axes=["pp"]), ValueError, UNKNOWN),
     Case("sum-out-partial-int", lambda: spmd.sum(ty({"tp": V}, 4), out_partial_axes=3), TypeError,
          "axis must be a mesh axis name, a ProcessGroup or a 1-D DeviceMesh, got int"),
@@ -511,7 +512,7 @@ CASES: list[Case] = [
          "spmd.all_reduce takes a tensor, got list"),
     Case("max-src-not-input-type", lambda: AR(ty({"tp": R}, 4), "tp", src=V, dst=R, op="max"), spmd.SpmdTypeError,
          "src=V, but the tensor is R on axis 'tp'"),
-    Case("max-global-src-v", global_max, spmd.SpmdTypeError, "spmd.all_reduce with src=V has no global meaning",
+    Case("max-global-src-v", global_max, spmd.SpmdTypeError, "spmd.all_reduce(op='max') with src=V has no global meaning",
          ctx="global"),
     # --- axis_index, Scalar, no_typecheck, module boundaries
     Case("axis-index-unknown", lambda: spmd.axis_index("pp"), ValueError, "spmd.axis_index: " + UNKNOWN),
@@ -608,21 +609,7 @@ def _state() -> tuple:
     return (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes, STATE.out_partial, current_mesh())
 
 
-# Rows the package does not pass yet, each with why; strict: a fix turns the row into a failure to remove here.
-KNOWN_GAPS = {
-    "max-global-src-v": "communicates first: all_reduce(op='max'|'min') (the all_reduce section of "
-    "_collectives.py) runs the collective and then types the result, whose global-SPMD check raises",
-    "no-typecheck-in-types-a-dict": "a dict as no_typecheck's in_types is read as a sequence of its keys; the "
-    "error then blames assert_type ('got 'tp'') instead of naming in_types (_no_typecheck.py)",
-    "two-meshes-mixed": "not caught: the rules (_rules.py infer) take the union of the operands' axes, so "
-    "{dp: V, tp: R} + {ep: V} is accepted as {dp: V, tp: R, ep: V}",
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, id=c.id, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[c.id])] if c.id in KNOWN_GAPS else [])
-    for c in CASES
-])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_bad_input(case: Case):
     before = _state()
     with _context(case.ctx):
