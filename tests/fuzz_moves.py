@@ -50,12 +50,15 @@ def _div(a: str, b: str) -> str | None:
     return ("P" if b == "R" else None) if a == "P" else _join([a, b], linear=False)
 
 
-_UNARY_LIN = ("neg", "scale", "transpose", "flatten", "reshape", "unsqueeze", "narrow", "sum", "mean", "fn:scale3")
-_UNARY_NL = ("tanh", "sin", "exp", "fn:tanh", "fn:silu")
-_BINARY = {"add": "lin", "sub": "lin", "cat": "lin", "mul": "ml", "matmul": "ml", "linear": "ml", "div": "div",
+_UNARY_LIN = ("neg", "scale", "transpose", "flatten", "reshape", "unsqueeze", "narrow", "sum", "mean", "getitem",
+              "fn:scale3")
+_UNARY_NL = ("tanh", "sin", "exp", "softmax", "fn:tanh", "fn:silu")
+_BINARY = {"add": "lin", "sub": "lin", "cat": "lin", "mul": "ml", "matmul": "ml", "linear": "ml", "einsum": "ml",
+           "div": "div",
            "fn:add_scaled": "lin"}
 
 
+@functools.cache
 def _binary_types(kind: str, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
     out = []
     for x, y in zip(a, b):
@@ -75,6 +78,10 @@ def _unary_shapes(op: str, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], di
     nd = len(s)
     if op in ("neg", "scale", "tanh", "sin", "exp", "fn:tanh", "fn:silu", "fn:scale3", "fn:unregistered"):
         return [(s, {})]
+    if op == "softmax":  # over the last dim
+        return [(s, {})] if nd >= 1 else []
+    if op == "getitem":  # x[1:]
+        return [((s[0] - 1,) + s[1:], {})] if nd >= 1 and s[0] >= 2 else []
     if op == "transpose":
         return [((s[1], s[0]) + s[2:], {})] if nd >= 2 else []
     if op == "flatten":
@@ -97,7 +104,7 @@ def _unary_shapes(op: str, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], di
 def _binary_shapes(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[tuple[int, ...], dict]]:
     if op in ("add", "sub", "mul", "div", "fn:add_scaled"):
         return [(a, {})] if a == b else []
-    if op == "matmul":
+    if op in ("matmul", "einsum"):
         return [((a[0], b[1]), {})] if len(a) == len(b) == 2 and a[1] == b[0] else []
     if op == "linear":
         return [((a[0], b[0]), {})] if len(a) == len(b) == 2 and a[1] == b[1] else []
@@ -267,31 +274,46 @@ def _foreach_moves(vals: list[Val], good: bool) -> list[Move]:
 
 def _unary_moves(v: Val, good: bool) -> dict[str, list[Move]]:
     out: dict[str, list[Move]] = {"unary": [], "nonlinear": []}
+    for cat, op, params, types, shape in _unary_options(v.types, v.shape, good):
+        out[cat].append(Move(op, (v.name,), params, types, shape))
+    return out
+
+
+@functools.cache
+def _unary_options(vtypes: tuple[str, ...], vshape: tuple[int, ...], good: bool) -> tuple:
+    out = []
     for op in _UNARY_LIN + _UNARY_NL:
         linear = op in _UNARY_LIN
-        types = tuple(_join([t], linear) for t in v.types)
+        types = tuple(_join([t], linear) for t in vtypes)
         if (None not in types) != good:
             continue
-        for shape, params in _unary_shapes(op, v.shape):
-            out["unary" if linear else "nonlinear"].append(
-                Move(op, (v.name,), tuple(params.items()), types, shape))  # type: ignore[arg-type]
+        for shape, params in _unary_shapes(op, vshape):
+            out.append(("unary" if linear else "nonlinear", op, tuple(params.items()), types, shape))
     if not good:  # an unregistered autograd Function on a typed tensor is always an error
-        out["nonlinear"].append(Move("fn:unregistered", (v.name,), (), (), v.shape))
-    return out
+        out.append(("nonlinear", "fn:unregistered", (), (), vshape))
+    return tuple(out)
 
 
 def _binary_moves(vals: list[Val], good: bool) -> dict[str, list[Move]]:
     out: dict[str, list[Move]] = {"elementwise": [], "contract": []}
     for a in vals:
         for b in vals:
-            for op, kind in _BINARY.items():
-                types = _binary_types(kind, a.types, b.types)
-                if (types is not None) != good:
-                    continue
-                for shape, params in _binary_shapes(op, a.shape, b.shape):
-                    cat = "contract" if op in ("matmul", "linear") else "elementwise"
-                    out[cat].append(Move(op, (a.name, b.name), tuple(params.items()), types or (), shape))
+            for cat, op, params, types, shape in _binary_options(a.types, a.shape, b.types, b.shape, good):
+                out[cat].append(Move(op, (a.name, b.name), params, types, shape))
     return out
+
+
+@functools.cache
+def _binary_options(at: tuple, ash: tuple, bt: tuple, bsh: tuple, good: bool) -> tuple:
+    out = []
+    for op, kind in _BINARY.items():
+        types = _binary_types(kind, at, bt)
+        if (types is not None) != good:
+            continue
+        for shape, params in _binary_shapes(op, ash, bsh):
+            cat = "contract" if op in ("matmul", "linear", "einsum") else "elementwise"
+            out.append((cat, op, tuple(params.items()), types or (), shape))
+    return tuple(out)
 
 
 def _type_op_moves(v: Val, axes: tuple[tuple[str, int], ...], good: bool) -> list[Move]:

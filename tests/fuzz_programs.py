@@ -45,7 +45,7 @@ from torch.distributed._local_tensor import LocalTensorMode, maybe_disable_local
 import spmd_types as spmd
 from spmd_types.testing import per_rank, rank_values
 
-__all__ = ["programs", "run_program", "COUNTS", "SURPRISES"]
+__all__ = ["programs", "run_program", "COUNTS", "SURPRISES", "ACCEPTED_ILL"]
 
 DTYPE = torch.float64
 
@@ -95,11 +95,14 @@ _OPTIMIZERS = (
 
 
 def _used(inputs: tuple[Inp, ...], stmts: list[Stmt], outputs: list[str]) -> set[str]:
-    """The inputs the outputs depend on (a foreach op's elements: on all its arguments)."""
+    """The inputs the outputs depend on."""
     deps: dict[str, set[str]] = {i.name: {i.name} for i in inputs}
     for s in stmts:
-        d = set().union(*(deps[a] for a in s.args))
-        deps[s.out] = deps[f"{s.out}_0"] = deps[f"{s.out}_1"] = d
+        if s.op in FOREACH:  # element i: the i-th entry of every list
+            for i in range(2):
+                deps[f"{s.out}_{i}"] = set().union(*(deps[a] for a in s.args[i::2]))
+        else:
+            deps[s.out] = set().union(*(deps[a] for a in s.args))
     return set().union(*(deps[o] for o in outputs))
 
 
@@ -132,6 +135,7 @@ def _steps(draw: Any, inputs: tuple[Inp, ...], stmts: list[Stmt], outputs: list[
 
 COUNTS: Counter[str] = Counter()  # programs run / accepted / rejected, and the surprises (see test_fuzz)
 SURPRISES: list[str] = []  # the first few programs the generator meant well-typed that the checker rejected
+ACCEPTED_ILL: list[str] = []  # the first few programs the generator meant ill-typed that the checker accepted
 
 
 def _spmd_type(t: str) -> spmd.SpmdType:
@@ -210,6 +214,8 @@ def run_program(program: Program, mesh: Any) -> str:
         return "rejected"
     COUNTS["accepted"] += 1
     COUNTS["accepted, generated ill-typed"] += not program.well_typed
+    if not program.well_typed and len(ACCEPTED_ILL) < 5:
+        ACCEPTED_ILL.append(repr(program))
     COUNTS["statements checked"] += len(program.stmts)
     _check_against_oracle(program, names, values, *typed)
     return "accepted"

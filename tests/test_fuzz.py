@@ -47,16 +47,18 @@ def _fuzz(mesh_id: str, total: int) -> None:
 @pytest.fixture(scope="module")
 def report(request):
     """Print the figures (programs run, accepted, rejected, wall time) when the module's tests are done."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     before = dict(fp.COUNTS)
     yield
     counts = {k: v - before.get(k, 0) for k, v in fp.COUNTS.items()}
     lines = [f"soundness fuzzer: {counts.get('run', 0)} programs run, {counts.get('accepted', 0)} accepted "
              f"({counts.get('statements checked', 0)} statements checked against the oracle), "
-             f"{counts.get('rejected', 0)} rejected with SpmdTypeError, {time.perf_counter() - start:.1f} s",
+             f"{counts.get('rejected', 0)} rejected with SpmdTypeError; {counts.get('optimizer steps checked', 0)} "
+             f"optimizer steps checked; {time.perf_counter() - start:.1f} s wall, {time.process_time() - cpu:.1f} s CPU",
              f"  generated ill-typed but accepted (and matched the oracle): {counts.get('accepted, generated ill-typed', 0)}; "
              f"generated well-typed but rejected: {counts.get('rejected, generated well-typed', 0)}"]
     lines += [f"  rejected though generated well-typed:\n{s}" for s in fp.SURPRISES[:3]]
+    lines += [f"  accepted though generated ill-typed (the oracle agreed):\n{s}" for s in fp.ACCEPTED_ILL[:3]]
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print("\n" + "\n".join(lines))
