@@ -485,3 +485,19 @@ def test_on_gloo_processes(tmp_path):
         assert row["along_dp"] == [[float(dp_sum)] * 2, "{'dp': R, 'tp': P}"]
         assert row["in_place_fix"] == "x = spmd.all_reduce(x, ('dp', 'tp'), src=spmd.P, dst=spmd.R)"
         assert row["broadcast"] == [0.0, 0.0]
+
+
+def test_functional_in_place_ops_and_async(tp4):
+    name = _group(tp4).group_name
+    err = _raises(torch.ops._c10d_functional.all_reduce_, _typed(tp4, {"tp": P}), "sum", name)
+    assert err.rule == (
+        "torch.ops._c10d_functional.all_reduce_ writes its input in place, and an in-place op cannot change its "
+        "tensor's type: on axis 'tp' it takes P to R."
+    )
+    r = _typed(tp4, {"tp": R})
+    with CommCounter() as comms:
+        torch.ops._c10d_functional.broadcast_(r, 0, name)
+        work = dist.all_reduce(r, op=dist.ReduceOp.MIN, group=_group(tp4), async_op=True)
+        work.wait()
+    assert comms.counts == {"broadcast": 1, "all_reduce": 1}
+    assert spmd.get_type(r) == {"tp": R}
