@@ -273,7 +273,7 @@ def _even_splits(a: dict[str, Any]) -> bool:
 # the process group as mesh axes
 
 
-_AXES_CACHE: dict[tuple[int, int], tuple[str, ...] | None] = {}
+_AXES_CACHE: dict[tuple, tuple[str, ...] | None] = {}
 
 
 def _process_group(raw: RawOp, a: dict[str, Any]) -> Any:
@@ -291,7 +291,8 @@ def _axes_of(group: Any) -> tuple[str, ...] | None:
     for name, g in mesh.groups.items():
         if g is group:
             return (name,)
-    key = (id(mesh.device_mesh if mesh.device_mesh is not None else mesh), id(group))
+    # the objects themselves, not their ids (a new mesh may reuse a dead one's id); bounded below
+    key = (mesh.device_mesh if mesh.device_mesh is not None else mesh, mesh.axis_names, group)
     if key not in _AXES_CACHE:
         if len(_AXES_CACHE) > 256:
             _AXES_CACHE.clear()

@@ -496,7 +496,7 @@ def test_functional_in_place_ops_and_async(tp4):
     )
     r = _typed(tp4, {"tp": R})
     with CommCounter() as comms:
-        torch.ops._c10d_functional.broadcast_(r, 0, name)
+        torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.broadcast_(r, 0, name))
         work = dist.all_reduce(r, op=dist.ReduceOp.MIN, group=_group(tp4), async_op=True)
         work.wait()
     assert comms.counts == {"broadcast": 1, "all_reduce": 1}
