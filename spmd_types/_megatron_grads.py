@@ -101,9 +101,9 @@ class GradSyncTracker(TorchDispatchMode):
             p.main_grad = typed
             self.params[name] = p
 
-    def grad_type(self, name: str) -> TypeMap:
-        """The current type of parameter ``name``'s ``main_grad``."""
-        return self.params[name].main_grad._spmd_types
+    def grad_type(self, name: str) -> dict[str, Any]:
+        """The current type of parameter ``name``'s ``main_grad``, ``{axis: type}``."""
+        return self.params[name].main_grad._spmd_types.as_dict()
 
     def reset(self) -> None:
         """Back to unsynced gradients (call after the optimizer step, before the next backward)."""
