@@ -193,19 +193,17 @@ def _all_to_all_moves(t: str, s: tuple[int, ...], n: int) -> list:
                                 _times(_times(s, j, 1 / n), i, n)))
     elif int(t[1:]) < len(s):
         i = int(t[1:])
-        # KNOWN BUG (issue 11 item 6): all_to_all(src=S(d), dst=S(d)) scrambles blocks; j == i is left out.
-        for j in range(len(s)):
-            if j != i and _split_ok(s, j, n):
+        for j in range(len(s)):  # j == i: the identity (it scrambled blocks before issue 11 item 6)
+            if j == i or _split_ok(s, j, n):
                 out.append(("all_to_all", t, f"S{j}", {}, _times(_times(s, j, 1 / n), i, n)))
     return out
 
 
 def _redistribute_moves(t: str, s: tuple[int, ...], n: int) -> list:
-    """redistribute keeps the meaning; only with src equal to the value's type (KNOWN BUG, issue 11
-    item 6: redistribute does not check src, so a wrong src is never generated for it)."""
+    """redistribute keeps the meaning: to any type (X -> X included) but V -> V, which names no dims."""
     b = _base(t)
     if b != "V":
-        out = [("redistribute", t, d, {}, s) for d in ("R", "I", "P") if d != b]
+        out = [("redistribute", t, d, {}, s) for d in ("R", "I", "P")]
         return out + [("redistribute", t, d, {}, sh) for d, p, sh in _dst_choices(s, n, "") if not p]
     if t == "V":
         return [("redistribute", "V", d, {}, (n,) + s) for d in ("R", "I")]
@@ -214,7 +212,7 @@ def _redistribute_moves(t: str, s: tuple[int, ...], n: int) -> list:
         return []
     out = [("redistribute", t, d, {}, _times(s, i, n)) for d in ("R", "I")]
     return out + [("redistribute", t, f"S{j}", {}, _times(_times(s, j, 1 / n), i, n))
-                  for j in range(len(s)) if j != i and _split_ok(s, j, n)]
+                  for j in range(len(s)) if j == i or _split_ok(s, j, n)]
 
 
 # ---------------------------------------------------------------------------
@@ -323,8 +321,6 @@ def _type_op_moves(v: Val, axes: tuple[tuple[str, int], ...], good: bool) -> lis
         claims = [t] if good else [c for c in ("R", "I", "V", "P", "S0") if _base(c) != _base(t)]
         for c in claims:
             for op, src, dst, params, shape in _type_moves(c, v.shape, n):
-                if not good and op == "redistribute":
-                    continue  # KNOWN BUG (issue 11 item 6): redistribute does not check src
                 types = v.types[:k] + (dst,) + v.types[k + 1:]
                 out.append(Move(op, (v.name,), tuple(params.items()), types, shape, axis, src, dst))
             out += _function_moves(v, k, axis, n, c)
