@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils import parametrize
 
 import spmd_types as spmd
@@ -118,7 +118,7 @@ def test_a_wrong_boundary_or_region_type_is_caught(single_device):
     core = spmd.local_map(L._sdpa, in_types=[{"tp": spmd.S(1)}] * 3, out_types={"tp": spmd.S(2)})
     m.layers["1"].boundary = None
     q = m.layers["0"].attention.wq(plain_dtensor(m.tok_embeddings(tokens)).redistribute(
-        mesh, [spmd.interop.placements.Replicate()])).view(L.BATCH, L.SEQ, -1, L.DIM // L.HEADS)
+        mesh, [Replicate()])).view(L.BATCH, L.SEQ, -1, L.DIM // L.HEADS)
     with spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as info:
         core(q, q, q)
     assert info.value.rule == (

@@ -207,7 +207,7 @@ def _check_types(what: str, have: TypeMap, wanted: Mapping[str, SpmdType], place
                  names: tuple) -> None:
     for name, p in zip(names, placements):
         h, w = have.get(name), wanted[name]
-        if h is not None and (_compatible(h, w) or (h is V and w.is_varying)):
+        if h is not None and _compatible(h, w):  # a V type may take any Shard(d)
             continue
         fix = route_call("x", name, h, w) if h is not None else None
         raise SpmdTypeError(

@@ -75,6 +75,12 @@ class ReducedDTensor(DTensor):
 
     Made by :func:`spmd_types.to_dtensor` and the typed collectives; not
     constructed by hand.
+
+    Example::
+
+        w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R)   # a ReducedDTensor
+        w.sin().placements        # (Reduced(),): every input Reduced on dp
+        (w + r).placements        # (Replicate(),) for r Replicate(): the intersection rule
     """
 
     __slots__ = ()
