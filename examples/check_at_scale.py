@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--bug-at", type=int, default=-1)
     args = parser.parse_args()
     c = Config(layers=args.layers, d_model=args.d_model, ffn=args.ffn, dp=args.dp, tp=args.tp, bug_at=args.bug_at)
-    console = Console()
+    console = Console(soft_wrap=True)
     params = c.layers * (2 * c.d_model**2 * (1 + c.kv_heads / c.heads) + 3 * c.d_model * c.ffn)
     console.print(f"{c.layers} layers, d_model {c.d_model}, ffn {c.ffn}: ~{params / 1e9:.0f}B parameters, "
                   f"dp={c.dp} x tp={c.tp} = {c.dp * c.tp} ranks, on the meta device")

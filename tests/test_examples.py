@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 
@@ -25,25 +28,39 @@ def test_quickstart():
     assert "output is a torch.Tensor" in out
 
 
-def test_check_at_scale_llama_70b_shape_in_seconds():
-    out = _run("examples/check_at_scale.py")
+def _run_here(script: str, argv: list[str], monkeypatch) -> tuple[int, str]:
+    """Run an example's ``__main__`` in this process (no interpreter start-up): exit code and stdout."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("SPMD_TYPES_ERRORS", "plain")
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    printed, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(printed):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code or 0
+    return code, printed.getvalue()
+
+
+def test_check_at_scale_llama_70b_shape_in_seconds(monkeypatch):
+    code, out = _run_here("examples/check_at_scale.py", [], monkeypatch)
+    assert code == 0, out
     assert "80 layers, d_model 8192" in out and "dp=8 x tp=8 = 64 ranks" in out
-    seconds = float(re.search(r"forward and backward, in ([0-9.]+) s", out).group(1))
-    assert seconds < 10, out
+    # Its wall time is printed, not asserted: speed is measured by benchmarks/scale.py, never in tests.
+    assert re.search(r"typechecked: one training step, forward and backward, in [0-9.]+ s", out), out
 
 
-def test_check_at_scale_catches_a_bug_at_its_line():
-    env = {**os.environ, "SPMD_TYPES_ERRORS": "plain"}
-    run = subprocess.run([sys.executable, "examples/check_at_scale.py", "--bug-at", "17", "--layers", "24"], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=240)
-    assert run.returncode == 1, run.stderr[-3000:]
-    assert "SpmdTypeError: Invariant (I) values only combine with other I values" in run.stdout
-    assert "  at:       examples/check_at_scale.py:" in run.stdout and "qkv = F.linear(h, self.wqkv)" in run.stdout
-    assert "  fix:      spmd.convert(h, 'tp', src=spmd.I, dst=spmd.R)" in run.stdout
+def test_check_at_scale_catches_a_bug_at_its_line(monkeypatch):
+    code, out = _run_here("examples/check_at_scale.py", ["--bug-at", "17", "--layers", "24"], monkeypatch)
+    assert code == 1, out
+    assert "SpmdTypeError: Invariant (I) values only combine with other I values" in out
+    assert "  at:       examples/check_at_scale.py:" in out and "qkv = F.linear(h, self.wqkv)" in out
+    assert "  fix:      spmd.convert(h, 'tp', src=spmd.I, dst=spmd.R)" in out
 
 
-def test_fsdp_reduced_counts_and_matches_one_device():
-    out = _run("examples/fsdp_reduced.py")
+def test_fsdp_reduced_counts_and_matches_one_device(monkeypatch):
+    code, out = _run_here("examples/fsdp_reduced.py", [], monkeypatch)
+    assert code == 0, out
     assert out.count("all_gather: 2, all_reduce: 1, reduce_scatter: 2") == 3
     assert "losses match one device" in out
 
