@@ -174,3 +174,21 @@ def test_to_dtensor_gradient_is_redistributed_to_the_cotangent():
         assert comms.counts == {}
         assert torch.equal(denote(local_x.grad, mesh, {"dp": P}), denote(g._local_tensor, mesh, {"dp": I}))
         assert strict([Shard(0), Replicate(), Partial()]) != strict([Shard(0), spmd.Reduced(), Partial()])
+
+
+def test_all_reduce_max_on_a_sharded_dtensor():
+    """op="max" (not in seed 003's table): Shard(0) -> Reduced(), the gradient goes to the rank holding the max."""
+    from spmd_types.testing import per_rank
+
+    mesh = fake_mesh((2,), ("tp",))
+    with LocalTensorMode(2):
+        x = per_rank(lambda r: torch.tensor([1.0, 5.0]) if r == 0 else torch.tensor([3.0, 2.0]))
+        dt = _dt(x, mesh, {"tp": S(0)}, requires_grad=True)
+        with CommCounter() as comms:
+            out = spmd.all_reduce(dt, "tp", src=S(0), dst=R, op="max")
+        assert comms.counts == {"all_reduce": 1} and strict(out.placements) == (("Reduced", None),)
+        assert torch.equal(rank_values(out._local_tensor)[1], torch.tensor([3.0, 5.0]))
+        out.backward(_dt(per_rank(lambda r: torch.ones(2)), mesh, {"tp": P}))  # P: each rank adds 1
+        assert strict(dt.grad.placements) == (("Shard", 0),)
+        grads = rank_values(dt.grad._local_tensor)
+        assert torch.equal(grads[0], torch.tensor([0.0, 2.0])) and torch.equal(grads[1], torch.tensor([2.0, 0.0]))
