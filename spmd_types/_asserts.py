@@ -22,6 +22,7 @@ from ._state import STATE
 from ._tensor import make_typed, type_in_place
 from ._transitions import route_call
 from ._types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value
+from ._vmap import compiling, refuse_compile
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking"]
 
@@ -185,6 +186,8 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     """
     if not STATE.checking:
         return t
+    if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
+        refuse_compile()
     if isinstance(t, torch.nn.Module):
         if partition_spec is not None:
             raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")

@@ -33,8 +33,13 @@ ALLOWED: dict[type, str] = {}
 _APPLY_CODE = torch.autograd.function.Function.apply.__func__.__code__  # type: ignore[attr-defined]
 
 
-# torch's own Functions that only re-run ordinary ops on simulated ranks: their bodies are checked op by op.
-_TORCH_TRANSPARENT = frozenset({"torch.distributed._local_tensor._LocalContiguous"})
+# torch's own Functions whose backward is the true derivative of ordinary ops: their bodies are checked
+# op by op (re-running ops on simulated ranks; identity with module backward hooks; checkpoint recomputation).
+_TORCH_TRANSPARENT = frozenset({
+    "torch.distributed._local_tensor._LocalContiguous",
+    "torch.nn.modules._functions.BackwardHookFunction",
+    "torch.utils.checkpoint.CheckpointFunction",
+})
 
 
 def check_no_unregistered_function() -> None:

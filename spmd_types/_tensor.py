@@ -26,6 +26,7 @@ from ._spec import format_shape, short_dtype
 from ._state import STATE
 from ._strict import check_typed_root, typed_root
 from ._types import R, TypeMap, V
+from ._vmap import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
@@ -51,6 +52,9 @@ _NUMBER = object()
 _NONE = object()
 _CACHES: tuple[dict, dict] = ({}, {})  # non-strict, strict
 _MISSING = object()
+_TRANSFORMED = object()  # a torch.func transform's wrapped tensor (see _vmap.py)
+_DIM = torch.Tensor.dim
+_REGISTER_HOOK = torch.Tensor.register_hook
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
     """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
@@ -88,10 +92,18 @@ class LTensor(torch.Tensor):
         if not STATE.checking:
             if func in _KEEP_UNCHECKED:
                 return _KEEP_UNCHECKED[func](func, args, kwargs)
+            if func in _UNCHECKED and compiling():  # dynamo reads a typed tensor's metadata
+                raise _compile_error(args[0])
             return _run(func, args, kwargs)
         if not _grad_enabled() and not _fwd_grad_enabled():  # how a custom Function's forward runs
             check_no_unregistered_function()
         if func in _UNCHECKED:
+            if func is _DIM and vmap_setup_caller():  # torch.vmap is batching a typed tensor
+                raise transform_error(format_tensor_type(args[0], args[0]._spmd_types))
+            if compiling():  # dynamo reads a typed tensor's metadata
+                raise _compile_error(args[0])
+            if func is _REGISTER_HOOK:
+                return _register_typed_hook(func, args, kwargs)
             return _run(func, args, kwargs)
         handler = HANDLERS.get(func)
         if handler is not None:
@@ -148,6 +160,24 @@ def _typed_call(func, args, kwargs):
     if out_types is None:
         return out
     return _wrap(out, out_types)
+
+
+def _register_typed_hook(func, args, kwargs):
+    """``t.register_hook(hook)``: the hook gets the gradient typed (t's backward type), so its ops are checked."""
+    t, hook = args[0], (args[1] if len(args) > 1 else kwargs["hook"])
+    back = t._spmd_types.backward()
+
+    def typed_hook(grad):
+        if STATE.checking and type(grad) not in _TYPED_CLASSES:
+            grad = make_typed(grad, back)
+        return hook(grad)
+
+    return _run(func, (t, typed_hook), {})
+
+
+def _compile_error(t: torch.Tensor) -> SpmdTypeError:
+    with _DisableTF():
+        return compile_error(format_tensor_type(t, getattr(t, "_spmd_types", None)))
 
 
 def _explain_failure(func, args, kwargs, out_types: TypeMap) -> None:
@@ -300,7 +330,10 @@ def _marker(a: Any) -> Any:
     if a is None:
         return _NONE
     if isinstance(a, torch.Tensor):
-        return getattr(a, "_spmd_types", _PLAIN)
+        found = getattr(a, "_spmd_types", None)
+        if found is not None:
+            return found
+        return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
     if tp is list or tp is tuple:
         return tuple(_marker(x) for x in a)
     return None
@@ -550,6 +583,10 @@ _KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping
 
 
 def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
+    for a in (*args, *kwargs.values()):  # a transform's wrapped tensor meets a typed one (never cached)
+        if _marker(a) is _TRANSFORMED:
+            typed = next((x for x in (*args, *kwargs.values()) if type(x) in _TYPED_CLASSES), None)
+            raise transform_error(format_tensor_type(typed, typed._spmd_types) if typed is not None else "typed")
     if func is _BACKWARD:
         _check_backward_root(args, kwargs)
         return None

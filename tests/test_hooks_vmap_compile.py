@@ -1,0 +1,204 @@
+"""Module hooks, torch.vmap and torch.compile meeting typed tensors (issue 11, item 4).
+
+Hooks are ordinary code: what they do to typed tensors is checked. vmap and
+compile cannot carry types, so each refuses typed tensors with one clear
+error whose fix (``spmd.no_typecheck`` around vmap, compiling the erased
+program) is tested too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import fake_mesh
+from torch.distributed._local_tensor import LocalTensorMode
+
+import spmd_types as spmd
+from spmd_types import I, P, R, V
+from spmd_types.testing import denote, random_value
+
+
+@pytest.fixture
+def mesh():
+    m = fake_mesh((2,), ("tp",))
+    with spmd.set_current_mesh(m):
+        yield m
+
+
+def _linear(types):
+    lin = torch.nn.Linear(4, 4, bias=False)
+    spmd.assert_type(lin, types)
+    return lin
+
+
+# ---------------------------------------------------------------------------
+# module hooks
+
+
+def test_forward_hook_is_checked(mesh):
+    with spmd.typecheck():
+        lin = _linear({"tp": R})
+        bias = spmd.assert_type(torch.ones(4), {"tp": R})
+        lin.register_forward_hook(lambda mod, args, out: out + bias)  # out is P: the bias would be added twice
+        x = spmd.assert_type(torch.randn(2, 4), {"tp": P})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            lin(x)
+    assert err.value.rule.startswith("A pending sum (P) can only be added to another pending sum: Tensor.__add__ (+)")
+
+
+def test_forward_pre_hook_is_checked(mesh):
+    with spmd.typecheck():
+        lin = _linear({"tp": R})
+        lin.register_forward_pre_hook(lambda mod, args: (args[0].exp(),))
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            lin(spmd.assert_type(torch.randn(2, 4), {"tp": P}))
+    assert err.value.rule == "Tensor.exp is not linear in input, so input cannot be a pending sum (P)."
+
+
+def test_well_typed_hooks_type_their_results(mesh):
+    seen = {}
+    with spmd.typecheck():
+        lin = _linear({"tp": R})
+        lin.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+        lin.register_forward_hook(lambda mod, args, out: torch.relu(out))
+        lin.register_full_backward_hook(lambda mod, gin, gout: seen.update(gout=gout[0]))
+        lin.weight.register_hook(lambda g: seen.update(weight_grad=spmd.get_type(g)))  # gets the typed gradient
+        x = spmd.assert_type(torch.randn(2, 4, requires_grad=True), {"tp": V})
+        out = lin(x)
+        assert spmd.get_type(out) == {"tp": V}
+        out.sum().backward()
+    assert spmd.get_type(lin.weight.grad) == {"tp": P}
+    assert seen["gout"].shape == (2, 4)
+    assert seen["weight_grad"] == {"tp": P}
+
+
+def test_backward_hook_that_misuses_a_gradient_is_checked(mesh):
+    with spmd.typecheck():
+        lin = _linear({"tp": R})
+        bad = spmd.assert_type(torch.ones(4), {"tp": R})
+        lin.weight.register_hook(lambda g: g + bad)  # the weight's gradient is P
+        x = spmd.assert_type(torch.randn(2, 4), {"tp": V})
+        loss = lin(x).sum()
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            loss.backward()
+    assert err.value.rule.startswith("A pending sum (P) can only be added to another pending sum: Tensor.__add__ (+)")
+
+
+# ---------------------------------------------------------------------------
+# torch.vmap
+
+VMAP_RULE = (
+    "torch.vmap and the other torch.func transforms cannot carry SPMD types: they hand their function plain "
+    "wrapped tensors and return plain tensors, so the types would be silently dropped."
+)
+
+
+def test_vmap_over_a_typed_tensor_is_refused(mesh):
+    with spmd.typecheck():
+        x = spmd.assert_type(torch.randn(3, 4), {"tp": V})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            torch.vmap(lambda a: a * 2)(x)
+    assert err.value.rule == VMAP_RULE
+    assert err.value.seen == (("operand", "f32[3,4] {tp: V}"),)
+    assert err.value.fixes == ("spmd.no_typecheck(torch.vmap(f), in_types=[...], out_types=...)(x)",)
+    assert err.value.notes == ("the batch dim is local: declare the types f gives one slice, for the whole batch",)
+
+
+def test_vmap_closing_over_a_typed_tensor_is_refused(mesh):
+    with spmd.typecheck():
+        w = spmd.assert_type(torch.randn(4), {"tp": R})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            torch.vmap(lambda a: a * w)(torch.randn(3, 4))
+    assert err.value.rule == VMAP_RULE
+    assert err.value.seen == (("operand", "f32[4] {tp: R}"),)
+
+
+def test_vmap_inside_no_typecheck_gives_typed_results(mesh):
+    """The fix the error names: the batch dim is local, so f's per-slice types are the batch's."""
+    with LocalTensorMode(2), spmd.typecheck():
+        x = spmd.assert_type(random_value(mesh, {"tp": V}, (3, 4)), {"tp": V})
+        w = spmd.assert_type(random_value(mesh, {"tp": R}, (4,), seed=1), {"tp": R})
+        f = spmd.no_typecheck(torch.vmap(lambda a, b: a * b, in_dims=(0, None)),
+                              in_types=[{"tp": V}, {"tp": R}], out_types={"tp": V})
+        out = f(x, w)
+        assert spmd.get_type(out) == {"tp": V}
+        got = denote(out, mesh, {"tp": V})
+        want = denote(x, mesh, {"tp": V}) * denote(w, mesh, {"tp": R})
+    torch.testing.assert_close(got, want)
+
+
+def test_vmap_on_plain_tensors_inside_typecheck_is_untouched(mesh):
+    with spmd.typecheck():
+        out = torch.vmap(lambda a: a * 2)(torch.ones(3, 4))
+    assert spmd.get_type(out) is None and torch.equal(out, torch.full((3, 4), 2.0))
+
+
+# ---------------------------------------------------------------------------
+# torch.compile
+
+COMPILE_RULE = (
+    "torch.compile cannot trace typed tensors: the checker runs in Python beside each op and is not traced, "
+    "so a compiled typed program would be either refused by dynamo or run unchecked."
+)
+COMPILE_FIX = (
+    "check the program eagerly inside spmd.typecheck(), then compile the erased program: the same code on "
+    "plain tensors, outside spmd.typecheck() (every spmd call compiles as its collective)",
+)
+
+
+def _compile(fn, backend, fullgraph=True):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=fullgraph)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_refuses_typed_inputs(mesh, backend):
+    with spmd.typecheck():
+        x = spmd.assert_type(torch.randn(3, 4), {"tp": V})
+        i = spmd.assert_type(torch.randn(4), {"tp": I})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            _compile(lambda a, b: a * b, backend)(x, x)  # well typed
+        assert err.value.rule == COMPILE_RULE
+        assert err.value.seen == (("tensor", "f32[3,4] {tp: V}"),)
+        assert err.value.fixes == COMPILE_FIX
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            _compile(lambda a, b: a + b, backend)(x, i)  # an I + V bug: refused, never run unchecked
+        assert err.value.rule == COMPILE_RULE
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compile_refuses_typing_inside_the_compiled_function(mesh, fullgraph):
+    with spmd.typecheck():
+        fn = _compile(lambda a: spmd.assert_type(a, {"tp": V}) * 2, "eager", fullgraph)
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            fn(torch.randn(3))
+    assert err.value.rule == COMPILE_RULE
+    assert err.value.seen == (("tensor", "a tensor given its type inside the compiled function (spmd.assert_type)"),)
+
+
+def test_compile_refuses_a_module_with_typed_parameters_outside_typecheck(mesh):
+    with spmd.typecheck():
+        lin = _linear({"tp": R})
+    with pytest.raises(spmd.SpmdTypeError) as err:
+        _compile(lin, "aot_eager")(torch.randn(2, 4))
+    assert err.value.rule == COMPILE_RULE
+    assert err.value.seen == (("tensor", "f32[4,4] {tp: R}"),)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_erased_program_compiles_and_matches_the_checked_run(mesh, backend):
+    """The fix: check eagerly, compile the same code on plain tensors."""
+
+    def program(x, w):
+        h = spmd.reinterpret(x, "tp", src=I, dst=R) @ w
+        return spmd.all_reduce(torch.relu(h), "tp", src=V, dst=I)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    with spmd.typecheck():
+        checked = program(spmd.assert_type(x, {"tp": I}), spmd.assert_type(w, {"tp": V}))
+        assert spmd.get_type(checked) == {"tp": I}
+    compiled = _compile(program, backend)(x, w)
+    assert spmd.get_type(compiled) is None
+    torch.testing.assert_close(compiled, checked.detach())
