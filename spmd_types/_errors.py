@@ -42,7 +42,9 @@ def user_source() -> tuple[str, str] | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_SKIP_DIRS) and not frame.f_code.co_filename.startswith("<"):
+        # typing_extensions: its @deprecated wrapper sits between the user and a deprecated torch function
+        if (not filename.startswith(_SKIP_DIRS) and not frame.f_code.co_filename.startswith("<")
+                and not filename.endswith("typing_extensions.py")):
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             try:
                 shown = os.path.relpath(filename)

@@ -501,3 +501,10 @@ def test_functional_in_place_ops_and_async(tp4):
         work.wait()
     assert comms.counts == {"broadcast": 1, "all_reduce": 1}
     assert spmd.get_type(r) == {"tp": R}
+
+
+def test_error_points_at_the_callers_line_through_a_deprecated_name(tp4):
+    x = _typed(tp4, {"tp": S(0)}, shape=(2, 3))
+    err = _raises(dist.all_gather_into_tensor, torch.empty(8, 3), x, group=_group(tp4))  # deprecated: calls _single
+    assert err.source is not None and "test_raw_collectives.py" in err.source
+    assert err.rule.startswith("torch.distributed.all_gather_single writes a typed result")
