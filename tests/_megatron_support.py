@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -242,21 +243,26 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
     patch = Patcher()
     accommodate_cpu(patch)
+    ps.destroy_model_parallel()  # a forked worker inherits the parent's (fake) process groups
+    if dist.is_initialized():
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     path = Path(out_dir) / f"rank{rank}.jsonl"
     try:
         for tp, sp in CONFIGS:
+            start = time.perf_counter()
             try:
                 row = run_config(tp, sp)
+                row["seconds"] = round(time.perf_counter() - start, 2)
             except Exception as err:  # recorded, so the test shows which configuration failed and why
                 row = {"key": f"tp{tp}_sp{int(sp)}", "error": f"{type(err).__name__}: {err}"}
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     finally:
-        from megatron.core import parallel_state as ps
-
         ps.destroy_model_parallel()
         dist.destroy_process_group()
         patch.undo()
