@@ -54,16 +54,16 @@ _UNARY_LIN = ("neg", "scale", "transpose", "flatten", "reshape", "unsqueeze", "n
               "fn:scale3")
 _UNARY_NL = ("tanh", "sin", "exp", "softmax", "fn:tanh", "fn:silu")
 _BINARY = {"add": "lin", "sub": "lin", "cat": "lin", "mul": "ml", "matmul": "ml", "linear": "ml", "einsum": "ml",
-           "div": "div",
-           "fn:add_scaled": "lin"}
+           "div": "div", "iadd": "ilin", "imul": "iml", "fn:add_scaled": "lin"}
 
 
 @functools.cache
 def _binary_types(kind: str, a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
     out = []
     for x, y in zip(a, b):
-        t = _join([x, y], True) if kind == "lin" else _mul(x, y) if kind == "ml" else _div(x, y)
-        if t is None:
+        k = kind.lstrip("i")  # "ilin", "iml": in place into a's storage, which may not change a's type
+        t = _join([x, y], True) if k == "lin" else _mul(x, y) if k == "ml" else _div(x, y)
+        if t is None or (kind.startswith("i") and t != _base(x)):
             return None
         out.append(t)
     return tuple(out)
@@ -102,7 +102,7 @@ def _unary_shapes(op: str, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], di
 
 
 def _binary_shapes(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[tuple[int, ...], dict]]:
-    if op in ("add", "sub", "mul", "div", "fn:add_scaled"):
+    if op in ("add", "sub", "mul", "div", "iadd", "imul", "fn:add_scaled"):
         return [(a, {})] if a == b else []
     if op in ("matmul", "einsum"):
         return [((a[0], b[1]), {})] if len(a) == len(b) == 2 and a[1] == b[0] else []

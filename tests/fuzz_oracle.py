@@ -141,6 +141,8 @@ ORDINARY: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "add": (lambda a, b: torch.add(a, b), "torch.add({0}, {1})"),
     "sub": (lambda a, b: a - b, "{0} - {1}"),
     "mul": (lambda a, b: a * b, "{0} * {1}"),
+    "iadd": (lambda a, b: a.clone().add_(b), "{0}.clone().add_({1})"),
+    "imul": (lambda a, b: a.clone().mul_(b), "{0}.clone().mul_({1})"),
     "div": (lambda a, b: a / (torch.sigmoid(b) + 0.5), "{0} / (torch.sigmoid({1}) + 0.5)"),
     "neg": (lambda a: -a, "-{0}"),
     "scale": (lambda a: a * 0.5, "{0} * 0.5"),
