@@ -353,6 +353,7 @@ def test_bug_all_reduce_where_sequence_parallel_needs_reduce_scatter(cpu):
     assert err.rule == ("Invariant (I) values only combine with other I values: Tensor.__add__ (+) combines input (I) "
                         "with other (R). Convert the I operand to R, so that its gradient is all-reduced in backward.")
     assert _at(err) == ("fused_bias_dropout.py", "x = x + bias")
+    assert err.fixes[0] == "spmd.convert(x, 'tp', src=spmd.I, dst=spmd.R)"  # the generic fix; the real one: reduce-scatter
 
 
 def test_bug_vocab_parallel_embedding_not_all_reduced(cpu):
@@ -363,6 +364,7 @@ def test_bug_vocab_parallel_embedding_not_all_reduced(cpu):
     assert err.rule == ("Invariant (I) values only combine with other I values: Tensor.__add__ (+) combines other (I) "
                         "with input (V). Convert the I operand to R, so that its gradient is all-reduced in backward.")
     assert _at(err) == ("language_model_embedding.py", "embeddings = word_embeddings + position_embeddings")
+    assert err.fixes[0] == "spmd.convert(position_embeddings, 'tp', src=spmd.I, dst=spmd.R)"  # generic, see docs
 
 
 def test_bug_embedding_all_reduced_twice(cpu):
@@ -421,6 +423,7 @@ def test_bug_sequence_parallel_norm_not_marked(cpu):
     assert err.rule == ("Invariant (I) values only combine with other I values: F.layer_norm combines weight (I) "
                         "with input (V). Convert the I operand to R, so that its gradient is all-reduced in backward.")
     assert _at(err) == ("transformer_layer.py", "input_layernorm_output = self.input_layernorm(hidden_states)")
+    assert err.fixes[0] == "spmd.convert(weight, 'tp', src=spmd.I, dst=spmd.R)"  # i.e. mark it sequence_parallel
 
 
 def test_bug_replicated_weight_marked_tensor_parallel(cpu):
@@ -433,6 +436,7 @@ def test_bug_replicated_weight_marked_tensor_parallel(cpu):
     assert err.rule == ("Invariant (I) values only combine with other I values: F.layer_norm combines input (I) with "
                         "weight (S(0)). Convert the I operand to R, so that its gradient is all-reduced in backward.")
     assert _at(err) == ("transformer_block.py", "hidden_states = self.final_layernorm(hidden_states)")
+    assert err.fixes[0] == "spmd.convert(input, 'tp', src=spmd.I, dst=spmd.R)"
 
 
 def test_bug_sequence_parallel_embedding_not_scattered(cpu):
@@ -446,6 +450,7 @@ def test_bug_sequence_parallel_embedding_not_scattered(cpu):
     assert err.rule == ("Invariant (I) values only combine with other I values: F.layer_norm combines input (I) with "
                         "weight (R). Convert the I operand to R, so that its gradient is all-reduced in backward.")
     assert _at(err) == ("transformer_layer.py", "input_layernorm_output = self.input_layernorm(hidden_states)")
+    assert err.fixes[0] == "spmd.convert(input, 'tp', src=spmd.I, dst=spmd.R)"
 
 
 def test_bug_loss_all_reduced_over_tp(cpu):
@@ -470,6 +475,7 @@ def test_bug_row_parallel_input_split_again(cpu):
     err = _caught(model, mesh, batch)
     assert err.rule == "spmd.convert's src= must be the input's type on the axis: src=I, but the tensor is V on axis 'tp'."
     assert _at(err) == ("attention.py", "output, bias = self.linear_proj(core_attn_out)")
+    assert err.fixes[0] == "spmd.all_to_all(x, 'tp', src=spmd.V, dst=spmd.S(-1))"
 
 
 def test_bug_gather_with_tensor_parallel_output_grad_on_duplicated_compute(cpu):
