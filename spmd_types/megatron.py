@@ -312,6 +312,24 @@ def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
     return rule
 
 
+def _all_to_all_rule(*args: Any) -> Any:
+    """_AllToAll(group, x, output_split_sizes, input_split_sizes): V -> V on the group's axis.
+
+    A rule, not ``op="all_to_all"``: a registration cannot pass
+    ``split_dim=0, concat_dim=0``, and uneven splits (all-to-all-v) are V -> V too.
+    """
+    tp = axis_of_group(args[0])
+
+    def on_tp(xt):
+        if xt is None or not xt.is_varying:
+            return _reject(f"Megatron's all_to_all exchanges different rows with every rank: its input must be V on "
+                           f"{tp!r}", [("axis", tp), ("input", str(xt))],
+                           [f"spmd.convert(input, {tp!r}, src=spmd.{xt}, dst=spmd.V)"])
+        return V
+
+    return _per_axis([args[1]], tp, on_tp, lambda axis, xt: _fill(xt, R))
+
+
 # ---------------------------------------------------------------------------
 # the table
 
@@ -329,6 +347,8 @@ def _table() -> list[tuple[type, dict[str, Any], str]]:
         fused_bias_gelu,
         fused_bias_swiglu,
         fused_cross_entropy,
+        fused_indices_converter,
+        fused_mla_yarn_rope_apply,
         fused_softmax,
         fused_weighted_squared_relu,
     )
@@ -358,8 +378,8 @@ def _table() -> list[tuple[type, dict[str, Any], str]]:
         (m._ReduceScatterToTensorParallelRegion,
          dict(rule=_reduce_rule(S(-1), "reduce_scatter_last_dim_to_tensor_parallel_region")),
          "forward reduce-scatter last dim; backward all-gather last dim"),
-        (m._AllToAll, dict(op="all_to_all", axis=_group_arg(0), src=V, dst=V),
-         "forward all_to_all_single on dim 0; backward _AllToAll back"),
+        (m._AllToAll, dict(rule=_all_to_all_rule),
+         "forward all_to_all_single on dim 0 (even or uneven splits); backward _AllToAll back"),
         (layers.LinearWithGradAccumulationAndAsyncCommunication,
          dict(rule=_linear_rule("LinearWithGradAccumulationAndAsyncCommunication", 5, 4, 8)),
          "forward: all-gather dim 0 if sequence_parallel, matmul; backward: reduce-scatter (sequence_parallel) "
@@ -382,6 +402,8 @@ def _table() -> list[tuple[type, dict[str, Any], str]]:
         fused_bias_geglu.WeightedQuickGeGLUFunction, fused_bias_geglu.WeightedBiasQuickGeGLUFunction,
         fused_weighted_squared_relu.WeightedSquaredReLUFunction, fused_softmax.ScaledUpperTriangMaskedSoftmax,
         fused_softmax.ScaledMaskedSoftmax, fused_softmax.ScaledSoftmax,
+        fused_indices_converter.IndicesToMultihot, fused_mla_yarn_rope_apply.ApplyMLARotaryEmbQ,
+        fused_mla_yarn_rope_apply.ApplyMLARotaryEmbKV,
     ]
     for cls in local_kernels:
         table.append((cls, dict(local=True), "elementwise / row-wise kernel, no communication either way"))
@@ -497,7 +519,7 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
 def track_grad_sync(model: torch.nn.Module, mesh_: dict[str, Any] | None = None) -> Any:
     """Type the gradient buffers of a Megatron ``DistributedDataParallel`` model and follow their syncs.
 
-    Call after :func:`type_parameters`. Returns a ``GradSyncTracker``: use it as
+    Call after :func:`type_parameters` and before the backward. Returns a ``GradSyncTracker``: use it as
     a context manager around ``finalize_model_grads`` (or ``finish_grad_sync``);
     each ``param.main_grad`` is then typed P on an axis until a collective sums
     it there. An optimizer step inside ``spmd.typecheck()`` on a gradient still P
@@ -506,8 +528,10 @@ def track_grad_sync(model: torch.nn.Module, mesh_: dict[str, Any] | None = None)
 
     Example::
 
-        tracker = spmd_megatron.track_grad_sync(ddp_model)
         with spmd.set_current_mesh(mesh):
+            with spmd.typecheck():
+                spmd_megatron.type_parameters(ddp_model)
+            tracker = spmd_megatron.track_grad_sync(ddp_model)
             with spmd.typecheck():
                 ddp_model(tokens, positions, mask, labels=labels).sum().backward()
             with tracker:

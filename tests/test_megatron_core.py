@@ -601,3 +601,16 @@ def test_loop_summing_a_gradient_twice_is_refused(cpu):
     with pytest.raises(spmd.SpmdTypeError) as err:
         _ddp_step(cpu, sync)
     assert err.value.rule == "A gradient is summed over 'dp', but it was already summed there; the sum multiplies or mixes it."
+
+
+def test_example_megatron_gpt_runs_at_dp8_tp8(cpu):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "megatron_gpt.py"
+    spec = importlib.util.spec_from_file_location("megatron_gpt_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(tp=8, dp=8, sp=True)
+    assert result["loss"] == {"dp": V, "tp": I}
+    assert (result["norm_grad_before_sync"], result["norm_grad_after_sync"]) == ({"dp": P, "tp": P}, {"dp": R, "tp": R})
+    assert result["unsynced"] == {} and result["ranks"] == 64
