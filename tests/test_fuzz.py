@@ -28,6 +28,7 @@ from conftest import fake_mesh
 from fuzz_functions import AddScaled
 from fuzz_oracle import Den, Inp, Mismatch, Program, Stmt, evaluate, gradients, read
 from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
@@ -186,3 +187,20 @@ def test_rule_registered_function_rejects_with_its_own_text():
         with pytest.raises(spmd.SpmdTypeError) as err:
             AddScaled.apply(x, w)
     assert err.value.rule == "AddScaled: P and R on axis 'tp' do not add"
+
+
+def test_a_failure_prints_the_program_as_code():
+    mesh = fake_mesh((2,), ("tp",))
+    wrong = Stmt("y", "fn:wrong_reduce", ("h",), axis="tp", src="P", dst="I")
+    program = Program(TP2, (Inp("x", ("P",), (2, 2)),), (Stmt("h", "neg", ("x",)), wrong), ("y",))
+
+    @settings(max_examples=1, database=None, deadline=None, print_blob=False)
+    @given(st.just(program))
+    def check(program: Program) -> None:
+        fp.run_program(program, mesh)
+
+    with pytest.raises(AssertionError, match="gradient of x .* differs from the oracle") as err:
+        check()
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert ("x = input({'tp': P}, local_shape=(2, 2))\nh = -x\n"
+            "y = WrongReduceFrom.apply(h, group('tp'))  # claims spmd.all_reduce(src=P, dst=I)\nreturn y") in notes
