@@ -21,7 +21,7 @@ from ._spec import Spec, axes_of, check_placement, check_unique, normalize, spec
 from ._state import STATE
 from ._tensor import make_typed, type_in_place
 from ._transitions import route_call
-from ._types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value
+from ._types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
 from ._vmap import compiling, refuse_compile
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking"]
@@ -305,19 +305,12 @@ def get_partition_spec(t: Any) -> PartitionSpec | None:
     return to_partition_spec(spec) if spec is not None else None
 
 
-def _compatible(have: SpmdType | None, want: SpmdType) -> bool:
-    if have is want:
-        return True
-    # S(d) refines V; in local SPMD a V value may be any S(d), so both directions pass.
-    return have is not None and have.is_varying and want.is_varying and (have is V or want is V)
-
-
 def _check(have: TypeMap, want: TypeMap, named: set | None = None) -> None:
     for axis, w in want.items:
         if named is not None and axis not in named:
             continue
         h = have.get(axis)
-        if _compatible(h, w):
+        if compatible(h, w):
             continue
         fix = route_call("x", axis, h, w) if h is not None else None
         raise op_error(

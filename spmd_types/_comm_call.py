@@ -18,7 +18,6 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from ._asserts import _compatible
 from ._comm_impl import AxisComm
 from ._errors import Rejection, SpmdTypeError, user_source_line
 from ._kernels import KERNELS
@@ -27,7 +26,7 @@ from ._state import STATE
 from ._strict import untyped_input
 from ._tensor import _DisableTF, _run, _wrap, format_tensor_type
 from ._transitions import allowed, backward_of, find, route_call
-from ._types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value
+from ._types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible
 
 __all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
 
@@ -205,7 +204,7 @@ def check_input(opname: str, x: torch.Tensor, comm: AxisComm, src: SpmdType, dst
         return None
     for name in comm.names:
         have = types.get(name)
-        if not _compatible(have, src):
+        if not compatible(have, src):
             _reject_src(opname, x, types, comm, name, have, src, dst)
     return types
 

@@ -13,14 +13,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from ._asserts import _compatible, _placed, assert_type
+from ._asserts import _placed, assert_type
 from ._dtensor_hook import interop, is_dtensor
 from ._errors import Rejection, op_error
 from ._mesh import Axis, require_mesh, resolve_axis
 from ._state import STATE
 from ._tensor import make_typed
 from ._transitions import route_call
-from ._types import SpmdType, TypeMap
+from ._types import SpmdType, TypeMap, compatible
 
 __all__ = ["local_map"]
 
@@ -111,7 +111,7 @@ def _retype(name: str, index: int, out: Any, declared: TypeDict) -> torch.Tensor
     if have is not None:
         for axis, w in want.items:
             h = have.get(axis)
-            if not _compatible(h, w):
+            if not compatible(h, w):
                 fix = route_call(f"output{index}", axis, h, w) if h is not None else None
                 raise op_error(
                     Rejection(

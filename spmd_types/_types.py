@@ -164,6 +164,13 @@ def backward_type(t: SpmdType) -> SpmdType:
         raise TypeError(f"backward_type needs an SPMD type (R, I, V, P, S(d)), got {t!r}") from None
 
 
+def compatible(have: SpmdType | None, want: SpmdType) -> bool:
+    """Does a value of type ``have`` satisfy an expected ``want``? S(d) refines V (and, locally, V may be any S(d))."""
+    if have is want:
+        return True
+    return have is not None and have.is_varying and want.is_varying and (have is V or want is V)
+
+
 def check_type_value(value: object, what: str) -> SpmdType:
     """Return ``value`` if it is an SPMD type, else raise a TypeError naming ``what``."""
     if isinstance(value, SpmdType):

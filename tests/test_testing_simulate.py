@@ -41,7 +41,7 @@ def test_fake_meta_yields_the_current_mesh_and_cleans_up():
 def test_a_type_error_at_scale_is_caught_on_meta():
     with simulate((64, 8), ("dp", "tp")), spmd.typecheck():
         w = spmd.assert_type(torch.nn.Parameter(torch.empty(1024, 8192)), {"dp": spmd.R, "tp": spmd.V})
-        x = spmd.assert_type(torch.empty(4, 8192), {"dp": spmd.V, "tp": spmd.I})
+        x = spmd.assert_type(torch.empty(4, 8192, requires_grad=True), {"dp": spmd.V, "tp": spmd.I})
         with pytest.raises(spmd.SpmdTypeError, match="Invariant"):
             F.linear(x, w)
 

@@ -21,7 +21,6 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .._asserts import _compatible
 from .._comm_impl import AxisComm, keep_on_first
 from .._errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._function_guard import ALLOWED
@@ -29,7 +28,7 @@ from .._mesh import current_mesh, set_current_mesh
 from .._state import STATE
 from .._tensor import _run, make_typed
 from .._transitions import route_call
-from .._types import SpmdType, TypeMap, V
+from .._types import SpmdType, TypeMap, V, compatible
 from .placements import Reduced, placement_to_cotangent, placement_to_type, strip_reduced, type_to_placement
 from .propagation import ReducedDTensor, plain_dtensor
 
@@ -207,7 +206,7 @@ def _check_types(what: str, have: TypeMap, wanted: Mapping[str, SpmdType], place
                  names: tuple) -> None:
     for name, p in zip(names, placements):
         h, w = have.get(name), wanted[name]
-        if h is not None and _compatible(h, w):  # a V type may take any Shard(d)
+        if h is not None and compatible(h, w):  # a V type may take any Shard(d)
             continue
         fix = route_call("x", name, h, w) if h is not None else None
         raise SpmdTypeError(
@@ -235,7 +234,7 @@ def assert_dtensor(dt: DTensor, types: Mapping[Any, SpmdType], partition_spec: A
     for axis, want in types.items():
         name = _axis_name(dt.device_mesh, axis, "assert_type")
         h = have[name]
-        if _compatible(h, want):
+        if compatible(h, want):
             continue
         p = dt.placements[names.index(name)]
         raise op_error(
