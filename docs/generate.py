@@ -250,6 +250,8 @@ def _op_section(op: str) -> list[str]:
             "",
             f"Forward ({t.comm}), then backward `{_call(bop, bsrc, bdst)}` ({_comm(bop, bsrc, bdst)}):",
             "",
+            f"![{_call(t.op, t.src, t.dst)}: forward and backward, three ranks](img/{t.op}_{t.src}_{t.dst}.svg)",
+            "",
             "```",
             "forward:",
             _draw(fin, fout, "=>"),
