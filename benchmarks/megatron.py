@@ -1,0 +1,240 @@
+"""Megatron-core and spmd_types, measured side by side (issue 7).
+
+Run: python benchmarks/megatron.py   (needs megatron-core; prints two tables)
+
+(a) Typecheck cost: seconds for one forward+backward of a Megatron-core
+    GPTModel (local spec, tp=2, dp=2, sequence parallel) on a fake process
+    group, typed (``spmd.typecheck()`` with the adapter's registrations) vs
+    untyped; medians of repeats.
+(b) Communication: each erased spmd call (plain tensors, outside
+    ``typecheck()``) against the Megatron-core mapping that does the same
+    work, forward+backward, on 2 and 4 gloo processes, a small (4 KB) and a
+    1 MB tensor; the bare ``torch.distributed`` calls doing the same
+    collectives are the floor. µs per forward+backward, median of repeats,
+    the three variants interleaved inside each repeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+# This file is named megatron.py: drop its own folder from the import path, or it would shadow the package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import spmd_types as spmd  # noqa: E402
+
+I, P, R, S = spmd.I, spmd.P, spmd.R, spmd.S
+SIZES = {"4 KB": 1024, "1 MB": 256 * 1024}  # float32 elements
+REPEATS, CALLS = 9, {"4 KB": 40, "1 MB": 10}
+
+
+def _cpu() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: "cpu"
+    mrandom.CudaRNGStatesTracker.fork = lambda self, name="": contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------
+# (a) typecheck cost on a fake process group
+
+
+def typecheck_cost(repeats: int = 7) -> tuple[float, float]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
+    import megatron_gpt
+    from megatron.core import parallel_state as ps
+
+    from spmd_types import megatron as spmd_megatron
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    spmd_megatron.register()
+    _, model = megatron_gpt.build(2, True, layers=4, hidden=128, heads=8)
+    seq, vocab = megatron_gpt.SEQ, megatron_gpt.VOCAB
+    tokens = torch.randint(0, vocab, (2, seq))
+    positions = torch.arange(seq).expand(2, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+
+    def untyped() -> None:
+        model(tokens, positions, mask, labels=tokens).sum().backward()
+
+    def typed() -> None:
+        with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck():
+            spmd_megatron.type_parameters(model)
+            t = spmd.assert_type(tokens, {"dp": spmd.V, "tp": R})
+            p = spmd.assert_type(positions, {"dp": spmd.V, "tp": I})
+            model(t, p, mask, labels=t).sum().backward()
+
+    times: dict[str, list[float]] = {"untyped": [], "typed": []}
+    for fn in (untyped, typed):  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in (("untyped", untyped), ("typed", typed)):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return statistics.median(times["untyped"]), statistics.median(times["typed"])
+
+
+# ---------------------------------------------------------------------------
+# (b) erased spmd vs Megatron mappings vs bare torch.distributed, on gloo
+
+
+def _pairs(group: dist.ProcessGroup, n: int, world: int) -> dict[str, dict[str, object]]:
+    """{row: {variant: fn(x) -> output}}; every variant does the same collectives forward and backward."""
+    from megatron.core.tensor_parallel import mappings as m
+
+    def bare_ar(x):
+        y = x.detach().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    def bare_ag(x):
+        out = torch.empty((x.shape[0] * world, *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.detach().contiguous(), group=group)
+        return out
+
+    def bare_rs(x):
+        out = torch.empty((x.shape[0] // world, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.detach().contiguous(), group=group)
+        return out
+
+    return {
+        "reduce_from (all-reduce | -)": {
+            "megatron": lambda x: m.reduce_from_tensor_model_parallel_region(x, group),
+            "spmd": lambda x: spmd.all_reduce(x, "tp", src=P, dst=I),
+            "bare": lambda x: bare_ar(x),
+        },
+        "copy_to (- | all-reduce)": {
+            "megatron": lambda x: m.copy_to_tensor_model_parallel_region(x, group),
+            "spmd": lambda x: spmd.reinterpret(x, "tp", src=I, dst=R),
+            "bare": lambda x: x,  # backward: bare_ar below
+        },
+        "gather_from_sp (all-gather | reduce-scatter)": {
+            "megatron": lambda x: m.gather_from_sequence_parallel_region(x, True, group),
+            "spmd": lambda x: spmd.all_gather(x, "tp", src=S(0), dst=R),
+            "bare": lambda x: bare_ag(x),
+        },
+        "reduce_scatter_to_sp (reduce-scatter | all-gather)": {
+            "megatron": lambda x: m.reduce_scatter_to_sequence_parallel_region(x, group),
+            "spmd": lambda x: spmd.reduce_scatter(x, "tp", src=P, dst=S(0)),
+            "bare": lambda x: bare_rs(x),
+        },
+    }
+
+
+_BARE_BACKWARD = {  # what the backward of each row communicates, done by hand for the "bare" variant
+    "reduce_from (all-reduce | -)": None,
+    "copy_to (- | all-reduce)": "all_reduce",
+    "gather_from_sp (all-gather | reduce-scatter)": "reduce_scatter",
+    "reduce_scatter_to_sp (reduce-scatter | all-gather)": "all_gather",
+}
+
+
+def _step(variant: str, row: str, fn, x: torch.Tensor, g: torch.Tensor, group, world: int) -> None:
+    if variant == "bare":
+        fn(x)
+        kind = _BARE_BACKWARD[row]
+        if kind == "all_reduce":
+            y = g.clone()
+            dist.all_reduce(y, group=group)
+        elif kind == "reduce_scatter":
+            out = torch.empty((g.shape[0] // world, *g.shape[1:]))
+            dist.reduce_scatter_tensor(out, g, group=group)
+        elif kind == "all_gather":
+            out = torch.empty((g.shape[0] * world, *g.shape[1:]))
+            dist.all_gather_into_tensor(out, g, group=group)
+        return
+    y = fn(x)
+    y.backward(g)
+
+
+def _worker(rank: int, world: int, init: str, out_path: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    _cpu()
+    with contextlib.suppress(Exception):
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    rows = []
+    with spmd.set_current_mesh({"tp": group}):
+        for size_name, n in SIZES.items():
+            cols = n // 4  # 4 rows: the tensor holds n float32 elements (world x that for a reduce-scatter input)
+            for row, variants in _pairs(group, n, world).items():
+                shape_in = (world * 4, cols) if "reduce_scatter" in row.split(" ")[0] else (4, cols)
+                x = torch.randn(shape_in, requires_grad=True)
+                y0 = variants["megatron"](x)
+                g = torch.randn_like(y0.detach())
+                samples = {v: [] for v in variants}
+                for _ in range(REPEATS):
+                    for v, fn in variants.items():
+                        dist.barrier(group)
+                        start = time.perf_counter()
+                        for _ in range(CALLS[size_name]):
+                            _step(v, row, fn, x, g.clone(), group, world)
+                        samples[v].append((time.perf_counter() - start) / CALLS[size_name] * 1e6)
+                med = {v: statistics.median(s) for v, s in samples.items()}
+                rows.append((world, size_name, row, med["megatron"], med["spmd"], med["bare"]))
+    if rank == 0:
+        with open(out_path, "a") as f:
+            for r in rows:
+                f.write("\t".join(str(c) for c in r) + "\n")
+    dist.destroy_process_group()
+
+
+def communication(worlds=(2, 4)) -> list[tuple]:
+    import megatron.core.tensor_parallel  # noqa: F401  (imported once, inherited by the forked workers)
+
+    out = tempfile.mkdtemp()
+    path = os.path.join(out, "rows.tsv")
+    for world in worlds:
+        init = "file://" + os.path.join(out, f"store{world}")
+        ctx = mp.start_processes(_worker, args=(world, init, path), nprocs=world, start_method="fork", join=False)
+        while not ctx.join(timeout=1):
+            pass
+    rows = []
+    with open(path) as f:
+        for line in f:
+            w, size, row, a, b, c = line.rstrip("\n").split("\t")
+            rows.append((int(w), size, row, float(a), float(b), float(c)))
+    return rows
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    _cpu()
+    untyped, typed = typecheck_cost()
+    print("(a) GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward on a fake process group")
+    print(f"    untyped {untyped * 1e3:8.1f} ms   typed {typed * 1e3:8.1f} ms   typed/untyped {typed / untyped:5.2f}")
+    print()
+    print("(b) µs per forward+backward (median of repeats); erased spmd vs the Megatron-core mapping; bare "
+          "torch.distributed floor")
+    print(f"    {'ranks':>5} {'size':>5}  {'row (forward | backward)':52} {'megatron':>9} {'spmd':>9} {'bare':>9} "
+          f"{'spmd/megatron':>13}")
+    for world, size, row, meg, sp, bare in communication():
+        print(f"    {world:>5} {size:>5}  {row:52} {meg:9.0f} {sp:9.0f} {bare:9.0f} {sp / meg:13.2f}")
+
+
+if __name__ == "__main__":
+    main()
