@@ -52,7 +52,7 @@ def _div(a: str, b: str) -> str | None:
 
 _UNARY_LIN = ("neg", "scale", "transpose", "flatten", "reshape", "unsqueeze", "narrow", "sum", "mean", "getitem",
               "fn:scale3")
-_UNARY_NL = ("tanh", "sin", "exp", "softmax", "fn:tanh", "fn:silu")
+_UNARY_NL = ("tanh", "sin", "exp", "softmax", "gelu", "layer_norm", "amax", "fn:tanh", "fn:silu")
 _BINARY = {"add": "lin", "sub": "lin", "cat": "lin", "mul": "ml", "matmul": "ml", "linear": "ml", "einsum": "ml",
            "div": "div", "iadd": "ilin", "imul": "iml", "fn:add_scaled": "lin"}
 
@@ -78,7 +78,7 @@ def _unary_shapes(op: str, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], di
     nd = len(s)
     if op in ("neg", "scale", "tanh", "sin", "exp", "fn:tanh", "fn:silu", "fn:scale3", "fn:unregistered"):
         return [(s, {})]
-    if op == "softmax":  # over the last dim
+    if op in ("softmax", "gelu", "layer_norm"):  # (over the last dim)
         return [(s, {})] if nd >= 1 else []
     if op == "getitem":  # x[1:]
         return [((s[0] - 1,) + s[1:], {})] if nd >= 1 and s[0] >= 2 else []
@@ -94,7 +94,7 @@ def _unary_shapes(op: str, s: tuple[int, ...]) -> list[tuple[tuple[int, ...], di
         return [((1,) + s, {})] if nd <= 2 else []
     if op == "narrow":
         return [(s[:d] + (s[d] // 2,) + s[d + 1:], {"dim": d, "length": s[d] // 2}) for d in range(nd) if s[d] >= 2]
-    if op == "sum":
+    if op in ("sum", "amax"):
         return [(s[:d] + s[d + 1:], {"dim": d}) for d in range(nd)] if nd >= 2 else []
     if op == "mean":
         return [(s[:d] + (1,) + s[d + 1:], {"dim": d}) for d in range(nd)]
@@ -346,13 +346,34 @@ def _function_moves(v: Val, k: int, axis: str, n: int, claim: str) -> list[Move]
 
 
 # Categories a statement is drawn from (type-changing ops twice as often as the others).
-GOOD = ("type-op", "unary", "elementwise", "type-op", "nonlinear", "contract", "foreach")
-BAD = ("type-op", "nonlinear", "elementwise", "contract", "foreach")
+GOOD = ("type-op", "unary", "elementwise", "type-op", "nonlinear", "contract", "foreach", "where")
+BAD = ("type-op", "nonlinear", "elementwise", "contract", "foreach", "where")
+
+
+def _where_types(c: tuple[str, ...], a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
+    """torch.where(c > 0, a, b): linear in a and b jointly; the condition is non-linear (R where the result is P)."""
+    out = []
+    for x, y, z in zip(c, a, b):
+        t = _join([y, z], True)
+        t = (t if x == "R" else None) if t == "P" else _join([x, y, z], False)
+        if t is None:
+            return None
+        out.append(t)
+    return tuple(out)
+
+
+def _where_moves(vals: list[Val], good: bool) -> list[Move]:
+    newest = vals[:3]
+    return [Move("where", (c.name, a.name, b.name), (), types or (), a.shape)
+            for c in newest for a in newest for b in newest if c.shape == a.shape == b.shape
+            for types in [_where_types(c.types, a.types, b.types)] if (types is not None) == good]
 
 
 def moves(vals: list[Val], axes: tuple[tuple[str, int], ...], good: bool, cat: str) -> list[Move]:
     """The statements of category ``cat`` the model says are well-typed (``good``) or ill-typed."""
-    if cat == "type-op":
+    if cat == "where":
+        ms = _where_moves(vals, good)
+    elif cat == "type-op":
         ms = [m for v in vals for m in _type_op_moves(v, axes, good)]
     elif cat == "foreach":
         ms = _foreach_moves(vals, good)
