@@ -221,6 +221,39 @@ def communication(worlds=(2, 4)) -> list[tuple]:
     return rows
 
 
+def overhead_on_fake_pg(calls: int = 300, repeats: int = 7) -> list[tuple]:
+    """The same rows on a fake process group of 2 ranks: the collectives cost nothing, what is left is the
+    Python and autograd overhead of each variant (µs per forward+backward, 4 KB tensors)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    group = dist.new_group([0, 1])
+    rows = []
+    with spmd.set_current_mesh({"tp": group}):
+        for row, variants in _pairs(group, 1024, 2).items():
+            shape = (8, 256) if "reduce_scatter" in row.split(" ")[0] else (4, 256)
+            x = torch.randn(shape, requires_grad=True)
+            g = torch.randn_like(variants["megatron"](x).detach())
+            samples = {v: [] for v in variants}
+            for _ in range(repeats):
+                for v, fn in variants.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        _step(v, row, fn, x, g.clone(), group, 2)
+                    samples[v].append((time.perf_counter() - start) / calls * 1e6)
+            med = {v: statistics.median(s) for v, s in samples.items()}
+            rows.append((2, "4 KB", row, med["megatron"], med["spmd"], med["bare"]))
+    dist.destroy_process_group()
+    return rows
+
+
+def _table(rows: list[tuple]) -> None:
+    print(f"    {'ranks':>5} {'size':>5}  {'row (forward | backward)':52} {'megatron':>9} {'spmd':>9} {'bare':>9} "
+          f"{'spmd/megatron':>13}")
+    for world, size, row, meg, sp, bare in rows:
+        print(f"    {world:>5} {size:>5}  {row:52} {meg:9.0f} {sp:9.0f} {bare:9.0f} {sp / meg:13.2f}")
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     _cpu()
@@ -230,10 +263,10 @@ def main() -> None:
     print()
     print("(b) µs per forward+backward (median of repeats); erased spmd vs the Megatron-core mapping; bare "
           "torch.distributed floor")
-    print(f"    {'ranks':>5} {'size':>5}  {'row (forward | backward)':52} {'megatron':>9} {'spmd':>9} {'bare':>9} "
-          f"{'spmd/megatron':>13}")
-    for world, size, row, meg, sp, bare in communication():
-        print(f"    {world:>5} {size:>5}  {row:52} {meg:9.0f} {sp:9.0f} {bare:9.0f} {sp / meg:13.2f}")
+    _table(communication())
+    print()
+    print("(c) the same calls on a fake process group (collectives free): Python + autograd overhead, µs")
+    _table(overhead_on_fake_pg())
 
 
 if __name__ == "__main__":
