@@ -221,3 +221,15 @@ def test_clip_grad_norm_on_synced_gradients(mesh, foreach):
         torch.testing.assert_close(denote(total, mesh, {"dp": R}), want)
         clipped = denote(torch.cat([p.grad.flatten() for p in lin.parameters()]), mesh, {"dp": R}).norm()
     torch.testing.assert_close(clipped, torch.tensor(1.0), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_step_rejects_a_partial_state(mesh):
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        w = spmd.assert_type(torch.nn.Parameter(torch.randn(3)), {"dp": R})
+        g = spmd.assert_type(torch.randn(3), {"dp": R})
+        exp_avg = spmd.assert_type(torch.zeros(3), {"dp": P})  # a moment that was never synced
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            torch._fused_adam_([w], [g], [exp_avg], [torch.zeros(3)], [], [torch.tensor(1.0)], lr=0.1, beta1=0.9,
+                               beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    assert err.value.rule == "torch._fused_adam_ is not linear in state, so state cannot be a pending sum (P)."
+    assert err.value.notes == ("parameter 0 of 1",)
