@@ -12,15 +12,23 @@ import copy
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import Rejection, SpmdTypeError, op_error, user_source_line
 from ._function_guard import check_no_unregistered_function
 from ._mesh import current_mesh
-from ._op_registry import ENTRIES, OpEntry, entry_for
+from ._op_registry import OpEntry, entry_for
 from ._optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from ._rules import infer
-from ._rules_table import RuleKind
+from ._run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
+    _BACKWARD,
+    _PASSTHROUGH,
+    _SWAP_BACK,
+    _TYPED_CLASSES,
+    _UNCHECKED,
+    _run,
+    _run_swapped,
+    _swap_to_base,
+)
 from ._shard_rules import explain_failure, propagate
 from ._spec import format_shape, short_dtype
 from ._state import STATE
@@ -36,16 +44,9 @@ _tf_enabled = torch._C._is_torch_function_enabled
 _grad_enabled = torch.is_grad_enabled
 _fwd_grad_enabled = torch._C._is_fwd_grad_enabled
 
-# Metadata queries; torch.autograd.grad computes gradients, whose types follow by duality.
-_UNCHECKED = (
-    frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.METADATA)
-    | {torch.autograd.grad}
-)
 # Ops typed elsewhere: func -> handler(func, args, kwargs). _foreach.py registers the
 # multi-tensor (torch._foreach_*) and fused optimizer (torch._fused_*) kernels.
 HANDLERS: dict[Any, Any] = {}
-_BACKWARD = torch.Tensor.backward
-_PASSTHROUGH = frozenset(f for f, e in ENTRIES.items() if e.row.kind is RuleKind.PASSTHROUGH)
 _PLAIN = object()
 _ZERO = object()
 _NUMBER = object()
@@ -299,8 +300,8 @@ def _local_tensor_class() -> type | None:
     return _LOCAL_CLASSES[LocalTensor]
 
 
-_SWAP_BACK: dict[type, type] = {TypedParameter: torch.nn.Parameter}
-_TYPED_CLASSES = {LTensor, TypedParameter}
+_SWAP_BACK[TypedParameter] = torch.nn.Parameter
+_TYPED_CLASSES.update({LTensor, TypedParameter})
 
 
 def _typed_class_for(t: torch.Tensor) -> type:
@@ -337,172 +338,6 @@ def _marker(a: Any) -> Any:
     if tp is list or tp is tuple:
         return tuple(_marker(x) for x in a)
     return None
-
-
-def _run(func, args, kwargs):
-    """Run ``func`` with subclass dispatch off (and typed wrappers of other subclasses unwrapped)."""
-    if func in _AUTOGRAD_RUNS:
-        return _run_backward(func, args, kwargs)
-    if _dispatch_depth():
-        if STATE.checking:
-            return _run_swapped(func, args, kwargs, _inplace_destination(func, args))
-        if func in _UNCHECKED or func in _PASSTHROUGH:
-            return _run_swapped(func, args, kwargs)
-        return _run_on_aliases(func, args, kwargs)
-    with _DisableTF():
-        return func(*args, **kwargs)
-
-
-def _swap_to_base(args, kwargs) -> list[tuple[torch.Tensor, type]]:
-    """Give every typed wrapper of another subclass its base class back; return what to restore."""
-    swapped: list[tuple[torch.Tensor, type]] = []
-
-    def visit(x: Any) -> None:
-        tp = type(x)
-        base = _SWAP_BACK.get(tp)
-        if base is not None:
-            x.__class__ = base
-            swapped.append((x, tp))
-        elif tp is list or tp is tuple:
-            for y in x:
-                visit(y)
-
-    for a in args:
-        visit(a)
-    for v in kwargs.values():
-        visit(v)
-    return swapped
-
-
-def _run_swapped(func, args, kwargs, dest=None):
-    """Run ``func`` with its typed wrappers given their base classes (and an in-place destination's base).
-
-    Inside typecheck() this is how every op runs under a dispatch mode: autograd
-    then saves the typed objects themselves, and a backward pass started from a
-    typed root (``_run_backward``) hands them to the mode in its own class.
-    """
-    if func in _AUTOGRAD_RUNS:
-        return _run_backward(func, args, kwargs)
-    swapped = _swap_to_base(args, kwargs)
-    if dest is not None and type(dest._base) in _SWAP_BACK:
-        # an in-place op on a view makes autograd replay the view on its base
-        swapped.append((dest._base, type(dest._base)))
-        dest._base.__class__ = _SWAP_BACK[type(dest._base)]
-    try:
-        with _DisableTF():
-            return func(*args, **kwargs)
-    finally:
-        for x, tp in swapped:
-            x.__class__ = tp
-
-
-_AUTOGRAD_RUNS = frozenset({_BACKWARD, torch.autograd.backward, torch.autograd.grad})
-
-
-def _run_backward(func, args, kwargs):
-    """Run a backward pass with subclass dispatch on, its typed arguments given their plain classes.
-
-    Python code the engine runs (checkpoint recomputation, hooks) is then checked
-    like any code, and under a dispatch mode it meets typed tensors through the
-    usual path instead of the mode meeting them raw.
-    """
-    swapped: list[tuple[torch.Tensor, type]] = []
-
-    def visit(x: Any) -> None:
-        tp = type(x)
-        if tp in _TYPED_CLASSES or tp in _SWAP_BACK:
-            x.__class__ = _SWAP_BACK.get(tp, torch.Tensor)
-            swapped.append((x, tp))
-        elif tp is list or tp is tuple:
-            for y in x:
-                visit(y)
-
-    for a in (*args, *kwargs.values()):
-        visit(a)
-    try:
-        if _dispatch_depth():
-            with _SwapMode():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
-    finally:
-        for x, tp in swapped:
-            x.__class__ = tp
-
-
-class _SwapMode(TorchDispatchMode):
-    """Backward formulas meet the typed objects autograd saved: hand them to the mode below in its class."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        swapped = _swap_to_base(args, kwargs)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            for x, tp in swapped:
-                x.__class__ = tp
-
-
-def _run_on_aliases(func, args, kwargs):
-    """Run ``func`` on plain aliases of typed wrappers of other subclasses (LocalTensor, Parameter).
-
-    Under a dispatch mode such as LocalTensorMode, autograd must save tensors of
-    the mode's own classes: a backward formula that meets a typed wrapper fails
-    the mode's type checks. The aliases share storage and autograd history; an
-    op that returns an alias (in place) returns the typed object instead.
-    """
-    originals: dict[int, torch.Tensor] = {}
-    dest = _inplace_destination(func, args)
-    swapped = _swap_destination(dest) if dest is not None else []
-
-    def alias(x: Any) -> Any:
-        tp = type(x)
-        base = _SWAP_BACK.get(tp)
-        if base is None or x is dest:
-            return type(x)(alias(y) for y in x) if tp is list or tp is tuple else x
-        x.__class__ = base
-        try:
-            with _DisableTF():
-                a = x.view_as(x)
-        finally:
-            x.__class__ = tp
-        originals[id(a)] = x
-        return a
-
-    try:
-        new_args = tuple(alias(a) for a in args)
-        new_kwargs = {k: alias(v) for k, v in kwargs.items()}
-        with _DisableTF():
-            out = func(*new_args, **new_kwargs)
-    finally:
-        for x, tp in swapped:
-            x.__class__ = tp
-    return originals.get(id(out), out) if isinstance(out, torch.Tensor) else out
-
-
-def _inplace_destination(func, args) -> torch.Tensor | None:
-    """The typed wrapper an in-place op writes (its first operand), or None."""
-    if not args or type(args[0]) not in _SWAP_BACK:
-        return None
-    entry = ENTRIES.get(func)
-    inplace = entry.inplace if entry is not None else getattr(func, "__name__", "").endswith("_")
-    return args[0] if inplace else None
-
-
-def _swap_destination(dest: torch.Tensor) -> list[tuple[torch.Tensor, type]]:
-    """Give an in-place op's destination, and the base it views, their simulator classes for the call.
-
-    An in-place op on a view makes autograd replay the view on its base, and
-    the mode must meet its own class there: the destination is written as
-    itself (not through an alias), and its base is swapped too.
-    """
-    swapped = []
-    for x in (dest, dest._base):
-        tp = type(x)
-        base = _SWAP_BACK.get(tp)
-        if base is not None:
-            x.__class__ = base
-            swapped.append((x, tp))
-    return swapped
 
 
 def _wrap(out: Any, types: TypeMap) -> Any:
