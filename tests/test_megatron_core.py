@@ -614,3 +614,53 @@ def test_example_megatron_gpt_runs_at_dp8_tp8(cpu):
     assert result["loss"] == {"dp": V, "tp": I}
     assert (result["norm_grad_before_sync"], result["norm_grad_after_sync"]) == ({"dp": P, "tp": P}, {"dp": R, "tp": R})
     assert result["unsynced"] == {} and result["ranks"] == 64
+
+
+@pytest.mark.parametrize("name", ["copy_to", "all_gather_last_dim", "gather_from_tp_forward"])
+def test_registration_compared_by_hand_where_verify_registration_cannot(cpu, name):
+    """Three registrations that ``verify_registration`` does not settle, compared with their spmd op directly.
+
+    copy_to: Megatron's backward all-reduces its incoming gradient in place, and verify_registration hands the
+    same upstream gradient to the reference op, so each run gets its own copy here. The two last-dim gathers:
+    verify_registration reports a forward mismatch that a direct comparison does not show (reported); and
+    _GatherFromModelParallelRegion's backward slices by ``group.rank()``, which every simulated rank answers 0,
+    so only its forward can be simulated (the scatters are not simulable for the same reason; the gloo test
+    runs _ScatterToSequenceParallelRegion for real inside GPTModel).
+    """
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from spmd_types.testing import CommCounter, denote, random_value
+
+    mesh = fake_mesh((4,), ("tp",))
+    spmd_megatron.register()
+    group = mesh.get_group("tp")
+    from spmd_types._autograd_functions import registration_of
+
+    cls, shape = {
+        "copy_to": (mappings._CopyToModelParallelRegion, (3, 8)),
+        "all_gather_last_dim": (mappings._AllGatherFromTensorParallelRegion, (3, 2)),
+        "gather_from_tp_forward": (mappings._GatherFromModelParallelRegion, (3, 2)),
+    }[name]
+    reg = registration_of(cls)  # the claim under test: Megatron's Function runs like this spmd op
+    op, src, dst = getattr(spmd, reg.op), reg.src, reg.dst
+    with LocalTensorMode(4):
+        x0 = random_value(mesh, {"tp": src}, shape, 1)
+        runs = {}
+        for who in ("megatron", "spmd"):
+            x = x0.clone().requires_grad_(True)
+            with spmd.set_current_mesh(mesh), spmd.typecheck():
+                xt = spmd.assert_type(x, {"tp": src})
+                with CommCounter() as fwd:
+                    y = cls.apply(xt, group) if who == "megatron" else op(xt, "tp", src=src, dst=dst)
+                types = dict(spmd.get_type(y))
+            g = random_value(mesh, {"tp": spmd.backward_type(dst)}, tuple(y.shape), 2)
+            with CommCounter() as bwd:
+                (gx,) = torch.autograd.grad(y, x, g)
+            runs[who] = (types, denote(y, mesh, types), fwd.counts, gx, bwd.counts)
+        (t1, y1, f1, g1, b1), (t2, y2, f2, g2, b2) = runs["megatron"], runs["spmd"]
+        assert t1 == t2 == {"tp": dst} and f1 == f2
+        torch.testing.assert_close(y1, y2)
+        if name != "gather_from_tp_forward":
+            gtype = {"tp": spmd.backward_type(src)}
+            torch.testing.assert_close(denote(g1, mesh, gtype), denote(g2, mesh, gtype))
+            assert b1 == b2
