@@ -245,7 +245,10 @@ def _run_typed(program: Program, mesh: Any, names: tuple[str, ...], coord_of: di
             cot_values = [_random_per_rank(tuple(map(backward_type, t)), tuple(o.shape), sorted(coord_of.values()),
                                            program.seed + 7 + k) for k, (o, t) in enumerate(zip(outs, out_types))]
         cots = [per_rank(lambda r, c=c: c[coord_of[r]].clone()) for c in cot_values]
-        torch.autograd.backward(outs, cots)
+        try:
+            torch.autograd.backward(outs, cots)
+        except spmd.SpmdTypeError as e:  # the backward's types follow from the forward's: never a rejection here
+            raise AssertionError(f"the checker accepted the forward but rejected its backward: {e}\n{program!r}") from None
         got_outs = [_by_coord(o, coord_of) for o in outs]  # copies: the step may write an output's storage
         grads = {i.name: _by_coord(leaves[i.name].grad, coord_of) for i in program.inputs}
         if program.step is not None:

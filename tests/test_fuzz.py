@@ -204,3 +204,15 @@ def test_a_failure_prints_the_program_as_code():
     notes = "\n".join(getattr(err.value, "__notes__", []))
     assert ("x = input({'tp': P}, local_shape=(2, 2))\nh = -x\n"
             "y = WrongReduceFrom.apply(h, group('tp'))  # claims spmd.all_reduce(src=P, dst=I)\nreturn y") in notes
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="KNOWN BUG found by the fuzzer: a transparent Function "
+                   "that saves an R input types its gradient R (not P) in backward, and all_reduce(V -> R)'s backward "
+                   "rejects that 'R input'; when fixed, drop the exclusion in fuzz_moves._unary_moves")
+def test_transparent_function_saving_an_r_input_under_a_communicating_backward():
+    mesh = fake_mesh((2,), ("tp",))
+    prog = Program(TP2, (Inp("x", ("V",), (2, 4)),), (
+        Stmt("h", "all_reduce", ("x",), axis="tp", src="V", dst="R"),
+        Stmt("y", "fn:silu", ("h",)),
+    ), ("y",))
+    assert fp.run_program(prog, mesh) == "accepted"
