@@ -30,6 +30,7 @@ import spmd_types as spmd
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 2, 8, 2
 WORLD = 4
 CONFIGS = ((2, False), (2, True), (4, False), (4, True))  # (tp, sequence_parallel) on 4 ranks
+DDP_CONFIGS = ((2, True),)  # the training loop: Megatron's DDP at tp=2, dp=2, sequence parallel
 
 
 def _null_fork(self, name: str = "") -> contextlib.AbstractContextManager:
@@ -171,7 +172,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 # the gloo worker
 
 
-def _gather_full(model, grads_: dict[str, torch.Tensor]) -> tuple[dict, dict, float]:
+def _gather_full(model, grads_: dict[str, torch.Tensor], synced: bool = False) -> tuple[dict, dict, float]:
     """Reassemble every parameter and its gradient over tp; the largest spread of an I gradient over tp."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -187,7 +188,7 @@ def _gather_full(model, grads_: dict[str, torch.Tensor]) -> tuple[dict, dict, fl
             dist.all_gather(ws, w.contiguous(), group=group)
             dist.all_gather(gs, g.contiguous(), group=group)
             full_w[name], full_g[name] = torch.cat(ws, d), torch.cat(gs, d)
-        elif getattr(p, "sequence_parallel", False):  # R on tp: each rank holds a share of the gradient
+        elif getattr(p, "sequence_parallel", False) and not synced:  # R on tp: each rank holds a share
             total = g.clone()
             dist.all_reduce(total, group=group)
             full_w[name], full_g[name] = w, total
@@ -237,6 +238,39 @@ def run_config(tp: int, sp: bool) -> dict[str, Any]:
     }
 
 
+def run_ddp(tp: int, sp: bool) -> dict[str, Any]:
+    """Megatron's DDP + finalize_model_grads, typed and tracked; the synced gradients vs a tp=1 model's average."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from spmd_types import megatron as spmd_megatron
+
+    init_parallel(tp)
+    dp = ps.get_data_parallel_world_size()
+    model = build_gpt(tp, sp)
+    ddp = DistributedDataParallel(gpt_config(tp, sp), DistributedDataParallelConfig(), model)
+    with spmd.set_current_mesh(spmd_megatron.mesh()):
+        with spmd.typecheck():
+            spmd_megatron.type_parameters(ddp)
+        tracker = spmd_megatron.track_grad_sync(ddp)
+        with spmd.typecheck():
+            forward_backward(ddp, typed_inputs(make_batch(100 + ps.get_data_parallel_rank())))
+        with tracker:
+            finalize_model_grads([ddp])
+    synced = {n: plain(p.main_grad) for n, p in model.named_parameters()}
+    full_w, full_g, spread = _gather_full(model, synced, synced=True)
+    init_parallel(1)
+    ref = build_gpt(1, False)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(full_w[name])
+    for i in range(dp):  # the data-parallel gradient is the average over the dp ranks' micro-batches
+        forward_backward(ref, make_batch(100 + i))
+    want = {n: g / dp for n, g in grads(ref).items()}
+    return {"key": f"ddp_tp{tp}_sp{int(sp)}", "grad_vs_tp1": _max_diff(full_g, want),
+            "unsynced": tracker.unsynced(), "invariant_grad_spread": spread}
+
+
 def worker(rank: int, init_method: str, out_dir: str) -> None:
     """One gloo rank: every configuration in CONFIGS; one JSON line each (or the error)."""
     import torch.distributed as dist
@@ -253,13 +287,14 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     path = Path(out_dir) / f"rank{rank}.jsonl"
     try:
-        for tp, sp in CONFIGS:
+        jobs = [(tp, sp, run_config, "") for tp, sp in CONFIGS] + [(tp, sp, run_ddp, "ddp_") for tp, sp in DDP_CONFIGS]
+        for tp, sp, run, prefix in jobs:
             start = time.perf_counter()
             try:
-                row = run_config(tp, sp)
+                row = run(tp, sp)
                 row["seconds"] = round(time.perf_counter() - start, 2)
             except Exception as err:  # recorded, so the test shows which configuration failed and why
-                row = {"key": f"tp{tp}_sp{int(sp)}", "error": f"{type(err).__name__}: {err}"}
+                row = {"key": f"{prefix}tp{tp}_sp{int(sp)}", "error": f"{type(err).__name__}: {err}"}
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     finally:

@@ -251,6 +251,16 @@ def gloo_rows(tmp_path_factory):
     return rows
 
 
+def test_gloo_ddp_loop_synced_gradients_equal_tp1_average(gloo_rows):
+    # Megatron's DistributedDataParallel + finalize_model_grads at tp=2, dp=2, sequence parallel, typed and
+    # tracked: every gradient synced, and equal to a tp=1 model's gradient averaged over the two micro-batches.
+    for rank in range(WORLD):
+        row = gloo_rows[(rank, "ddp_tp2_sp1")]
+        assert "error" not in row, row.get("error")
+        assert row["unsynced"] == {} and row["invariant_grad_spread"] == 0.0
+        assert row["grad_vs_tp1"] < 1e-5, row
+
+
 @pytest.mark.parametrize("tp,sp", CONFIGS)
 def test_gloo_typed_equals_untyped_equals_tp1(gloo_rows, tp, sp):
     for rank in range(WORLD):
