@@ -74,7 +74,7 @@ def typecheck_cost(repeats: int = 7) -> tuple[float, float]:
     def typed() -> None:
         with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck():
             spmd_megatron.type_parameters(model)
-            t = spmd.assert_type(tokens, {"dp": spmd.V, "tp": R})
+            t = spmd.assert_type(tokens, {"dp": spmd.V, "tp": I})
             p = spmd.assert_type(positions, {"dp": spmd.V, "tp": I})
             model(t, p, mask, labels=t).sum().backward()
 

@@ -88,9 +88,9 @@ def main(tp: int = 2, dp: int = 2, sp: bool = True) -> dict:
             spmd_megatron.type_parameters(ddp)                #    every parameter, from Megatron's attributes
         tracker = spmd_megatron.track_grad_sync(ddp)         # 3. typed gradient buffers (before backward)
         with spmd.typecheck():
-            batch = {"dp": spmd.V, "tp": spmd.R}             # 2. a micro-batch per dp rank, the same on tp
-            loss = ddp(spmd.assert_type(tokens, batch), spmd.assert_type(positions, {"dp": spmd.V, "tp": spmd.I}),
-                       mask, labels=spmd.assert_type(torch.randint(0, VOCAB, (BATCH, SEQ)), batch))
+            ids = {"dp": spmd.V, "tp": spmd.I}               # 2. a micro-batch per dp rank, the same on tp
+            loss = ddp(spmd.assert_type(tokens, ids), spmd.assert_type(positions, ids), mask,
+                       labels=spmd.assert_type(torch.randint(0, VOCAB, (BATCH, SEQ)), ids))
             loss.sum().backward()
         before = tracker.grad_type("module.decoder.final_layernorm.weight")
         with tracker:

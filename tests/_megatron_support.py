@@ -126,17 +126,16 @@ def make_batch(seed: int) -> dict[str, torch.Tensor]:
 
 
 def typed_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The batch typed: a different micro-batch per dp rank, the same on every tp rank.
+    """The batch typed: a different micro-batch per dp rank, the same on every tp rank (I).
 
-    Token ids and labels are R on tp (they meet the vocab-sharded embedding and
-    loss), position ids I (they meet the replicated position embedding): integer
-    ids carry no gradient, so either is sound; the rules table does not yet
-    exempt integer operands from the I-only-with-I rule.
+    Integer ids carry no gradient, so I meets the vocab-sharded embedding and
+    loss as soundly as it meets the replicated position embedding.
     """
+    ids = {"dp": spmd.V, "tp": spmd.I}
     return {
-        "tokens": spmd.assert_type(batch["tokens"], {"dp": spmd.V, "tp": spmd.R}),
-        "positions": spmd.assert_type(batch["positions"], {"dp": spmd.V, "tp": spmd.I}),
-        "labels": spmd.assert_type(batch["labels"], {"dp": spmd.V, "tp": spmd.R}),
+        "tokens": spmd.assert_type(batch["tokens"], ids),
+        "positions": spmd.assert_type(batch["positions"], ids),
+        "labels": spmd.assert_type(batch["labels"], ids),
         "mask": batch["mask"],
     }
 
