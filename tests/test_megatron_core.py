@@ -674,3 +674,23 @@ def test_registration_compared_by_hand_where_verify_registration_cannot(cpu, nam
             gtype = {"tp": spmd.backward_type(src)}
             torch.testing.assert_close(denote(g1, mesh, gtype), denote(g2, mesh, gtype))
             assert b1 == b2
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_functions_gpt_model_reaches(cpu, sp):
+    """Which Megatron autograd Functions one GPTModel step applies (read from the autograd graph)."""
+    model, mesh, batch = fake_gpt(2, 2, sp)
+    loss = typed_step(model, batch, mesh)
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    names = {type(f).__name__.removesuffix("Backward") for f in seen if type(f).__name__.startswith(("_", "Linear"))}
+    expected = {"LinearWithGradAccumulationAndAsyncCommunication", "_ReduceFromModelParallelRegion",
+                "_VocabParallelCrossEntropy"}
+    if sp:
+        expected |= {"_ScatterToSequenceParallelRegion", "_ReduceScatterToSequenceParallelRegion"}
+    assert names == expected
