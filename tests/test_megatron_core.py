@@ -694,3 +694,70 @@ def test_the_functions_gpt_model_reaches(cpu, sp):
     if sp:
         expected |= {"_ScatterToSequenceParallelRegion", "_ReduceScatterToSequenceParallelRegion"}
     assert names == expected
+
+
+def test_every_adapter_message(cpu):
+    """The adapter's remaining refusals, each with its exact text (rules called with the types they refuse)."""
+    from spmd_types._types import TypeMap
+
+    fake_mesh((2, 2), ("dp", "tp"))
+    init_parallel(2)
+    group = ps.get_tensor_model_parallel_group()
+
+    def tm(tp, dp=V):
+        return TypeMap.of({"dp": dp, "tp": tp})
+
+    linear = spmd_megatron._linear_rule("Linear", 5, 4, 8)
+    frozen = spmd_megatron._linear_rule("Frozen", None, 3, 4)
+    ce = spmd_megatron._cross_entropy_rule(None)
+    cases = [
+        (lambda: linear(tm(R), tm(S(0)), None, False, False, True, None, None, group),
+         "Linear: with sequence_parallel=True its forward all-gathers the input along dim 0 and its backward "
+         "reduce-scatters the input gradient, so the input must be S(0) on 'tp'"),
+        (lambda: frozen(tm(R), tm(S(0)), None, True, group),
+         "Frozen: with allreduce_dgrad=True its backward all-reduces the input gradient, so the input must be I on "
+         "'tp' (the same on every rank, its gradient summed)"),
+        (lambda: linear(tm(I), tm(S(1)), None, False, False, False, None, None, group),
+         "Linear: a row-parallel weight (S(1) on 'tp') needs an input sharded on its last dim (V)"),
+        (lambda: linear(tm(V), tm(S(0), dp=P), None, False, False, False, None, None, group),
+         "Linear: a weight or bias that is P on 'dp' makes the product non-linear in a pending sum"),
+        (lambda: linear(tm(V, dp=P), tm(S(0), dp=V), None, False, False, False, None, None, group),
+         "Linear: its input is P on 'dp', so the weight must be R and there must be no bias"),
+        (lambda: ce(tm(S(-1), dp=P), None),
+         "vocab-parallel cross entropy is not linear: its logits must not be P on 'dp'"),
+        (lambda: spmd_megatron._gather_sp_rule(tm(I), group, True),
+         "gather_from_sequence_parallel_region all-gathers along dim 0: its input must be S(0) on 'tp'"),
+        (lambda: spmd_megatron._gather_sp_rule(tm(S(0)), group, True, [3, 5]),
+         "gather_from_sequence_parallel_region with output_split_sizes (uneven all-gather) has no typed "
+         "equivalent: the shards' sizes differ per rank"),
+        (lambda: spmd_megatron._all_to_all_rule(group, tm(I), None, None),
+         "Megatron's all_to_all exchanges different rows with every rank: its input must be V on 'tp'"),
+    ]
+    with spmd.set_current_mesh(spmd_megatron.mesh()):
+        for call, rule in cases:
+            got = call()
+            assert isinstance(got, spmd._errors.Rejection) and got.rule == rule, (got, rule)
+
+    with pytest.raises(ValueError) as err:
+        spmd_megatron.axis_of_group(group)
+    assert str(err.value) == ("spmd_megatron: no mesh is current: wrap the code in "
+                              "spmd.set_current_mesh(spmd_megatron.mesh())")
+    with pytest.raises(ValueError) as err:
+        spmd_megatron.type_parameters(torch.nn.Linear(2, 2))
+    assert str(err.value) == ("spmd_megatron.type_parameters: no mesh is current: wrap it in "
+                              "spmd.set_current_mesh(spmd_megatron.mesh())")
+    with pytest.raises(NotImplementedError) as err:
+        spmd_megatron.parameter_types(torch.nn.Parameter(torch.ones(2)), ("dp", "pp"))
+    assert str(err.value) == ("spmd_megatron.type_parameters: parameters on the 'pp' axis (pipeline / expert "
+                              "parallel) are not typed yet: type them with spmd.assert_type yourself")
+    expert = torch.nn.Parameter(torch.ones(2))
+    expert.allreduce = False
+    with pytest.raises(NotImplementedError) as err:
+        spmd_megatron.parameter_types(expert, ("dp", "tp"))
+    assert str(err.value) == ("spmd_megatron.type_parameters: expert parameters (allreduce=False) are not typed "
+                              "yet")
+    ps.destroy_model_parallel()
+    with pytest.raises(RuntimeError) as err:
+        spmd_megatron.mesh()
+    assert str(err.value) == ("spmd_megatron.mesh(): call megatron.core.parallel_state.initialize_model_parallel "
+                              "first")
