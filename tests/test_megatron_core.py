@@ -761,3 +761,12 @@ def test_every_adapter_message(cpu):
         spmd_megatron.mesh()
     assert str(err.value) == ("spmd_megatron.mesh(): call megatron.core.parallel_state.initialize_model_parallel "
                               "first")
+
+
+def test_gpt_with_shared_embedding_and_output_weights(cpu):
+    # One vocab-sharded weight used twice (embedding lookup and output layer): S(0) on tp, gradients summed locally.
+    model, mesh, batch = fake_gpt(2, 2, sp=True, model_kwargs={"share_embeddings_and_output_weights": True})
+    assert model.output_layer.weight is None  # the output layer borrows the embedding weight (pp=1: no "shared" copy)
+    loss = typed_step(model, batch, mesh)
+    assert spmd.get_type(loss) == {"dp": V, "tp": I}
+    assert spmd.get_type(model.embedding.word_embeddings.weight.grad) == {"dp": P, "tp": S(0)}
