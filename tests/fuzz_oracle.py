@@ -405,7 +405,9 @@ def step(program: Program, inputs: dict[str, Den], grads: dict[str, Den]) -> dic
         new[name] = Den(d.vary, {})
         for key, t in d.data.items():
             p = t.detach().clone().requires_grad_()
-            p.grad = None if grads[name].unused else grads[name].data[key].detach().clone()
+            # contiguous: torch 2.13's fused CPU Adam reads a non-contiguous gradient (autograd's gradient of a
+            # transposed input) as if it were contiguous (test_fuzz.py pins that torch bug)
+            p.grad = None if grads[name].unused else grads[name].data[key].detach().clone(memory_format=torch.contiguous_format)
             params.append(p)
             new[name].data[key] = p
     getattr(torch.optim, program.step.optimizer)(params, **dict(program.step.options)).step()
