@@ -770,3 +770,16 @@ def test_gpt_with_shared_embedding_and_output_weights(cpu):
     loss = typed_step(model, batch, mesh)
     assert spmd.get_type(loss) == {"dp": V, "tp": I}
     assert spmd.get_type(model.embedding.word_embeddings.weight.grad) == {"dp": P, "tp": S(0)}
+
+
+def test_the_core_never_imports_megatron():
+    import subprocess
+    import sys
+
+    code = ("import sys, spmd_types, spmd_types.testing; "
+            "print(sorted(m for m in sys.modules if m.startswith('megatron') or m == 'spmd_types.megatron'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    code = "import sys, spmd_types.megatron; print(sorted(m for m in sys.modules if m.startswith('megatron')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"  # the adapter imports megatron.core only when one of its functions is called
