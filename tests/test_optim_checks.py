@@ -233,3 +233,20 @@ def test_fused_step_rejects_a_partial_state(mesh):
                                beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
     assert err.value.rule == "torch._fused_adam_ is not linear in state, so state cannot be a pending sum (P)."
     assert err.value.notes == ("parameter 0 of 1",)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_types_are_checked_once_not_every_step(mesh, monkeypatch, impl):
+    """The kernels' element types are one cache key: a second step runs no rule inference."""
+    from spmd_types import _foreach
+
+    calls = []
+    real = _foreach.infer
+    monkeypatch.setattr(_foreach, "infer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        lin, _ = _model_with_grads(mesh, sync=True)
+        opt = torch.optim.AdamW(lin.parameters(), lr=0.1, **IMPLS[impl])
+        opt.step()
+        first = len(calls)
+        opt.step()
+    assert first > 0 and len(calls) == first
