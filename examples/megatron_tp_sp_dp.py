@@ -109,8 +109,12 @@ def train(mesh, typed: bool) -> list[float]:
     w = shard(full_weights(), tp_rank, tp)
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)  # my share of the batch
     losses = []
+    from rich.progress import track
+
+    steps = track(batches(), description=f"{'typed' if typed else 'erased'} steps", total=STEPS,
+                  disable=dist.get_rank() != 0, transient=True)
     with spmd.set_current_mesh(mesh):
-        for ids, targets in batches():
+        for ids, targets in steps:
             if typed:
                 with spmd.typecheck():
                     type_parameters(w)
