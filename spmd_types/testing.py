@@ -318,6 +318,10 @@ def verify_registration(
     same size (``LocalTensorMode`` simulates its ranks). Raises
     ``AssertionError`` saying what disagrees; returns a :class:`VerifyReport`.
 
+    A Function that reads its rank from the process group (``group.rank()``,
+    ``dist.get_rank()``) sees rank 0 on every simulated rank, so its slicing
+    cannot be verified this way: check it on real processes (gloo) instead.
+
     Example::
 
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))  # on a fake process group
@@ -373,7 +377,8 @@ def _verify(cls, reg, example_args, kwargs, mesh, in_types, seed, rtol, atol) ->
     g = _random(mesh, grad_types, tuple(out_t.shape), seed + 101, out_t.dtype)
     leaves = [values[i] for i in slots if values[i].requires_grad]
     with CommCounter() as comms:
-        grads = torch.autograd.grad(out_t, leaves, g, allow_unused=True) if leaves else ()
+        # a clone: a backward may all-reduce its incoming gradient in place (Megatron's copy-to does)
+        grads = torch.autograd.grad(out_t, leaves, g.clone(), allow_unused=True) if leaves else ()
     report.backward_comms = comms.counts
     leaf_types = [full_types[k] for k, i in enumerate(slots) if values[i].requires_grad]
     for gx, types in zip(grads, leaf_types):
@@ -410,12 +415,13 @@ def _compare_with_op(cls, reg, example_args, kwargs, slots, values, full_types, 
 
     i = slots[0]
     x = values[i].detach().requires_grad_(values[i].requires_grad)
-    axis = reg.axis(example_args, kwargs) if callable(reg.axis) and not isinstance(reg.axis, str) else reg.axis
-    if hasattr(axis, "group_name") and axis in _mesh_groups(mesh):
-        axis = _mesh_groups(mesh)[axis]
     op = getattr(spmd, reg.op)
     extra = {"op": reg.reduce} if reg.op in ("all_reduce", "reduce_scatter") else {}
     with spmd.set_current_mesh(mesh), spmd.typecheck():
+        # evaluated with the mesh current, as when the Function runs under typecheck()
+        axis = reg.axis(example_args, kwargs) if callable(reg.axis) and not isinstance(reg.axis, str) else reg.axis
+        if hasattr(axis, "group_name") and axis in _mesh_groups(mesh):
+            axis = _mesh_groups(mesh)[axis]
         xt = spmd.assert_type(x, full_types[0])
         with CommCounter() as comms:
             ref = op(xt, axis, src=reg.src, dst=reg.dst, **extra)
@@ -428,7 +434,7 @@ def _compare_with_op(cls, reg, example_args, kwargs, slots, values, full_types, 
     if not x.requires_grad:
         return
     with CommCounter() as comms:
-        (ref_grad,) = torch.autograd.grad(ref, x, g)
+        (ref_grad,) = torch.autograd.grad(ref, x, g.clone())
     ref_bwd = comms.counts
     grad_types = {a: backward_type(t) for a, t in full_types[0].items()}
     got = grads[0]

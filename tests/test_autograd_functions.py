@@ -322,3 +322,23 @@ def test_verify_catches_communication_in_a_local_claim(tp4):
     spmd.register_autograd_function(reduce_cls, local=True)
     with pytest.raises(AssertionError, match="ReduceFromRegion is registered local=True"):
         verify_registration(reduce_cls, (torch.empty(3, 8), tp4.get_group()), mesh=tp4, in_types=[{"tp": R}])
+
+
+def test_verify_a_backward_that_all_reduces_its_gradient_in_place(tp4):
+    """Megatron's copy-to all-reduces the incoming gradient in place: the reference run gets its own copy."""
+    import torch.distributed as dist
+
+    class CopyToInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x
+
+        @staticmethod
+        def backward(ctx, g):
+            dist.all_reduce(g, group=ctx.group)
+            return g, None
+
+    spmd.register_autograd_function(CopyToInPlace, op="reinterpret", axis=lambda a, k: a[1], src=I, dst=R)
+    report = verify_registration(CopyToInPlace, (torch.empty(3, 8), tp4.get_group()), mesh=tp4, in_types=[{"tp": I}])
+    assert report.backward_comms == {"all_reduce": 1}
