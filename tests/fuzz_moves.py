@@ -356,11 +356,17 @@ BAD = ("type-op", "nonlinear", "elementwise", "contract", "foreach", "where")
 
 
 def _where_types(c: tuple[str, ...], a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
-    """torch.where(c > 0, a, b): linear in a and b jointly; the condition is non-linear (R where the result is P)."""
+    """torch.where(c > 0, a, b): linear in a and b jointly; the condition is non-linear (R where the result is P)
+    and gradient-free, so an I condition reads as R (and as I beside I branches)."""
     out = []
     for x, y, z in zip(c, a, b):
-        t = _join([y, z], True)
-        t = (t if x == "R" else None) if t == "P" else _join([x, y, z], False)
+        t, x = _join([y, z], True), _base(x)
+        if t is None or x == "P":
+            return None
+        if t == "P":
+            t = t if x == "R" else None
+        elif x == "V":
+            t = None if t == "I" else "V"
         if t is None:
             return None
         out.append(t)
