@@ -13,6 +13,9 @@ so that this module does not import the tensor layer.
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -43,12 +46,72 @@ def _run(func, args, kwargs):
         return _run_backward(func, args, kwargs)
     if _dispatch_depth():
         if STATE.checking:
-            return _run_swapped(func, args, kwargs, _inplace_destination(func, args))
+            return _run_checked_simulated(func, args, kwargs)
         if func in _UNCHECKED or func in _PASSTHROUGH:
             return _run_swapped(func, args, kwargs)
         return _run_on_aliases(func, args, kwargs)
     with _DisableTF():
         return func(*args, **kwargs)
+
+
+def _run_checked_simulated(func, args, kwargs):
+    """A checked op under a dispatch mode: run on the typed objects, and leave its backward node a hook.
+
+    A backward pass from a typed value runs under ``_SwapMode``. One from a plain
+    value (computed from typed ones with checking off) does not: the node's
+    pre-hook then gives this op's typed operands, which autograd may have saved,
+    their base classes until the pass ends.
+    """
+    out = _run_swapped(func, args, kwargs, _inplace_destination(func, args))
+    with _DisableTF():
+        first = out[0] if type(out) in (list, tuple) and out else out
+        node = first.grad_fn if isinstance(first, torch.Tensor) else None
+    if node is not None:
+        typed = [weakref.ref(x) for x in _typed_operands(args, kwargs)]
+        if typed:
+            node.register_prehook(functools.partial(_swap_for_plain_root, typed))
+    return out
+
+
+def _typed_operands(args, kwargs) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def visit(x: Any) -> None:
+        if type(x) in _SWAP_BACK:
+            found.append(x)
+        elif type(x) is list or type(x) is tuple:
+            for y in x:
+                visit(y)
+
+    for a in (*args, *kwargs.values()):
+        visit(a)
+    return found
+
+
+class _Backward(threading.local):
+    under_swap_mode: int = 0
+
+
+_BACKWARD_STATE = _Backward()
+
+
+def _swap_for_plain_root(refs, grad_outputs) -> None:
+    if _BACKWARD_STATE.under_swap_mode:
+        return None
+    swapped = []
+    for ref in refs:
+        x = ref()
+        if x is not None and type(x) in _SWAP_BACK:
+            swapped.append((x, type(x)))
+            x.__class__ = _SWAP_BACK[type(x)]
+    if swapped:
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_restore, swapped))
+    return None
+
+
+def _restore(swapped) -> None:
+    for x, tp in reversed(swapped):
+        x.__class__ = tp
 
 
 def _swap_to_base(args, kwargs) -> list[tuple[torch.Tensor, type]]:
@@ -119,8 +182,12 @@ def _run_backward(func, args, kwargs):
         visit(a)
     try:
         if _dispatch_depth():
-            with _SwapMode():
-                return func(*args, **kwargs)
+            _BACKWARD_STATE.under_swap_mode += 1
+            try:
+                with _SwapMode():
+                    return func(*args, **kwargs)
+            finally:
+                _BACKWARD_STATE.under_swap_mode -= 1
         return func(*args, **kwargs)
     finally:
         for x, tp in swapped:

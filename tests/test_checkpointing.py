@@ -154,3 +154,24 @@ def test_in_place_type_change_is_still_rejected_on_simulated_ranks():
         "An in-place op cannot change its tensor's type: Tensor.add_ would change its first operand from R to V "
         "on axis 'tp'."
     )
+
+
+def test_backward_from_a_plain_value_reaches_checked_ops():
+    """A loss computed from typed values with checking off is plain; its backward still runs on simulated ranks."""
+    mesh = fake_mesh((2,), ("tp",))
+    with LocalTensorMode(2), spmd.set_current_mesh(mesh), spmd.typecheck():
+        w = spmd.assert_type(torch.nn.Parameter(random_value(mesh, {"tp": R}, (4, 4))), {"tp": R})
+        x = spmd.assert_type(random_value(mesh, {"tp": V}, (3, 4), seed=1), {"tp": V})
+        h = torch.relu(x @ w.t())  # checked: autograd saves the typed x and w
+        with spmd.no_typecheck():
+            loss = h.square().sum()
+        assert spmd.get_type(loss) is None
+        loss.backward()
+        assert spmd.get_type(w) == {"tp": R} and spmd.get_type(x) == {"tp": V}  # classes given back
+        assert spmd.get_type(w.grad) == {"tp": P}
+        got = denote(w.grad, mesh, {"tp": P})
+        xs, w0 = denote(x, mesh, {"tp": V}), denote(w, mesh, {"tp": R})
+        assert spmd.get_type(x @ w) == {"tp": V}  # still typed and checked after the pass
+    w0 = w0.detach().requires_grad_(True)
+    sum(torch.relu(xs[r] @ w0.t()).square().sum() for r in range(2)).backward()
+    torch.testing.assert_close(got, w0.grad)
