@@ -99,6 +99,10 @@ def test_register_covers_every_function_and_is_idempotent(cpu):
 
 def _verify_cases(g):
     return [
+        ("copy_to", mappings._CopyToModelParallelRegion, (torch.empty(3, 8), g), [{"tp": I}],
+         {}, {"all_reduce": 1}, R),  # its backward all-reduces the incoming gradient in place
+        ("all_gather_last_dim", mappings._AllGatherFromTensorParallelRegion, (torch.empty(3, 2), g), [{"tp": S(-1)}],
+         {"all_gather": 1}, {"reduce_scatter": 1}, R),
         ("reduce_from", mappings._ReduceFromModelParallelRegion, (torch.empty(4, 8), g), [{"tp": P}],
          {"all_reduce": 1}, {}, I),
         ("gather_sp_tp_grad", mappings._GatherFromSequenceParallelRegion, (torch.empty(2, 3), g, True),
@@ -277,13 +281,10 @@ def test_example_megatron_gpt_runs_at_dp8_tp8(cpu):
     assert result["unsynced"] == {} and result["ranks"] == 64
 
 
-@pytest.mark.parametrize("name", ["copy_to", "all_gather_last_dim", "gather_from_tp_forward"])
+@pytest.mark.parametrize("name", ["gather_from_tp_forward"])
 def test_registration_compared_by_hand_where_verify_registration_cannot(cpu, name):
-    """Three registrations that ``verify_registration`` does not settle, compared with their spmd op directly.
+    """A registration ``verify_registration`` cannot settle on simulated ranks, compared with its spmd op directly.
 
-    copy_to: Megatron's backward all-reduces its incoming gradient in place, and verify_registration hands the
-    same upstream gradient to the reference op, so each run gets its own copy here. The two last-dim gathers:
-    verify_registration reports a forward mismatch that a direct comparison does not show (reported); and
     _GatherFromModelParallelRegion's backward slices by ``group.rank()``, which every simulated rank answers 0,
     so only its forward can be simulated (the scatters are not simulable for the same reason; the gloo test
     runs _ScatterToSequenceParallelRegion for real inside GPTModel).
@@ -298,8 +299,6 @@ def test_registration_compared_by_hand_where_verify_registration_cannot(cpu, nam
     from spmd_types._autograd_functions import registration_of
 
     cls, shape = {
-        "copy_to": (mappings._CopyToModelParallelRegion, (3, 8)),
-        "all_gather_last_dim": (mappings._AllGatherFromTensorParallelRegion, (3, 2)),
         "gather_from_tp_forward": (mappings._GatherFromModelParallelRegion, (3, 2)),
     }[name]
     reg = registration_of(cls)  # the claim under test: Megatron's Function runs like this spmd op
