@@ -67,7 +67,7 @@ def _make_function(op: str) -> type[torch.autograd.Function]:
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
             ctx.call = call
-            return kernel(x, call)
+            return _below_autograd(kernel, x, call)
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -88,7 +88,25 @@ def run(call: Call, x: torch.Tensor) -> torch.Tensor:
         call = call._replace(src=P)
     if x.requires_grad and torch.is_grad_enabled():
         return _FUNCTIONS[call.op].apply(x, call)
-    return KERNELS[call.op](x, call)
+    return _below_autograd(KERNELS[call.op], x, call)
+
+
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+_compiling = torch.compiler.is_compiling
+
+
+def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+    """Run a kernel where no gradient is recorded, skipping the autograd layer of the collective ops.
+
+    The ``_c10d_functional`` ops carry a Python autograd kernel that runs even
+    with grad mode off (tens of microseconds a call); the typed ops make their
+    own autograd Function, so the kernels run below autograd. Not while
+    ``torch.compile`` traces, which handles the ops itself.
+    """
+    if _compiling():
+        return kernel(x, call)
+    with _BELOW_AUTOGRAD():
+        return kernel(x, call)
 
 
 # ---------------------------------------------------------------------------
