@@ -77,7 +77,8 @@ def _foreach_types(func: Any, args: Sequence[Any], kwargs: dict) -> tuple[TypeMa
         if isinstance(result, Rejection):
             grad, param = _p_grad(a_i, kw_i)
             if grad is not None:
-                raise SpmdTypeError(unsynced_grad_rejection(entry.display, grad, param, i), user_source_line())
+                index = i if any(grad is t for t in a_i) else None  # found among this element's operands
+                raise SpmdTypeError(unsynced_grad_rejection(entry.display, grad, param, index), user_source_line())
             note = f"element {i} of {n}, checked by the row of {_SINGLE_NAMES[name]}"
             raise op_error(dataclasses.replace(result, notes=tuple(result.notes) + (note,)), name, ())
         if entry.inplace and result is not None:

@@ -18,6 +18,7 @@ module typed with ``assert_type(module, ...)`` leaves each parameter its name
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Iterator
 
@@ -52,16 +53,46 @@ def _tensors(values: Any) -> Iterator[torch.Tensor]:
 
 
 def unsynced_grad(args: Any, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(grad, param)`` for the first operand that is a parameter's gradient and P on some axis."""
+    """``(grad, param)`` for the first operand that is a parameter's gradient and P on some axis.
+
+    An operand computed from the gradient (``-grad`` when an optimizer maximizes) carries no
+    mark; then, inside an optimizer's ``step`` (found on the stack: this runs only when an op is
+    being rejected), the first parameter of that optimizer whose gradient is P is named.
+    """
     for t in _tensors(list(args) + list(kwargs.values())):
         ref = t.__dict__.get("_spmd_grad_of")
         types = t.__dict__.get("_spmd_types")
-        if ref is None or types is None or not any(x is P for _, x in types.items):
+        if ref is None or not _partial(types):
             continue
         param = ref()
         if param is not None and param.__dict__.get("_spmd_types") is not None:
             return t, param
+    return _in_optimizer_step()
+
+
+def _partial(types: TypeMap | None) -> bool:
+    return types is not None and any(x is P for _, x in types.items)
+
+
+def _in_optimizer_step() -> tuple[torch.Tensor, torch.Tensor] | None:
+    frame = sys._getframe(2)
+    while frame is not None:
+        opt = frame.f_locals.get("self")
+        if isinstance(opt, torch.optim.Optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    grad = _grad_of(p)
+                    if grad is not None and _partial(grad.__dict__.get("_spmd_types")) and \
+                            p.__dict__.get("_spmd_types") is not None:
+                        return grad, p
+            return None
+        frame = frame.f_back
     return None
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    with _DisableTF():
+        return p.grad
 
 
 def describe_parameter(param: torch.Tensor, index: int | None = None) -> str:

@@ -250,3 +250,15 @@ def test_types_are_checked_once_not_every_step(mesh, monkeypatch, impl):
         first = len(calls)
         opt.step()
     assert first > 0 and len(calls) == first
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_maximizing_step_names_the_parameter_too(mesh, impl):
+    """With maximize=True the first op sees -grad, not the gradient itself: the step still names it."""
+    with spmd.set_current_mesh(mesh), spmd.typecheck():
+        lin, _ = _model_with_grads(mesh, sync=False)
+        opt = torch.optim.Adam(lin.parameters(), lr=0.1, maximize=True, **IMPLS[impl])
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            opt.step()
+    assert err.value.rule.startswith("The gradient of parameter 'weight' f32[3,4] is a pending sum (P) on 'dp'")
+    assert err.value.fixes == (FIX,)
