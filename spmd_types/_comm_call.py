@@ -71,7 +71,9 @@ def _make_function(op: str) -> type[torch.autograd.Function]:
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-            return run(dual(ctx.call), g), None
+            # A gradient made by a hand-written backward from saved typed tensors comes typed by the forward
+            # rules, which say nothing about gradients (an R value's gradient is P): run the dual on it plain.
+            return run(dual(ctx.call), unwrap(g)), None
 
     _Op.__name__ = _Op.__qualname__ = "".join(part.title() for part in op.split("_"))
     return _Op

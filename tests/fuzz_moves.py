@@ -273,11 +273,6 @@ def _foreach_moves(vals: list[Val], good: bool) -> list[Move]:
 def _unary_moves(v: Val, good: bool) -> dict[str, list[Move]]:
     out: dict[str, list[Move]] = {"unary": [], "nonlinear": []}
     for cat, op, params, types, shape in _unary_options(v.types, v.shape, good):
-        if op == "fn:silu" and "R" in v.types:
-            # KNOWN BUG (found by this fuzzer): a transparent Function that saves an R input mixes it into its
-            # gradient in backward, which is then typed R instead of P; a communicating backward further up
-            # (all_reduce(P/V -> R), reinterpret(I -> R)) rejects it. Left out until fixed (tests/test_fuzz.py).
-            continue
         out[cat].append(Move(op, (v.name,), params, types, shape))
     return out
 

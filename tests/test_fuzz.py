@@ -206,10 +206,9 @@ def test_a_failure_prints_the_program_as_code():
             "y = WrongReduceFrom.apply(h, group('tp'))  # claims spmd.all_reduce(src=P, dst=I)\nreturn y") in notes
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="KNOWN BUG found by the fuzzer: a transparent Function "
-                   "that saves an R input types its gradient R (not P) in backward, and all_reduce(V -> R)'s backward "
-                   "rejects that 'R input'; when fixed, drop the exclusion in fuzz_moves._unary_moves")
 def test_transparent_function_saving_an_r_input_under_a_communicating_backward():
+    """Found by the fuzzer: the gradient a transparent Function computes from a saved R input came back typed R
+    (forward rules), and all_reduce(V -> R)'s backward refused that 'R input'. Typed ops' backwards now run plain."""
     mesh = fake_mesh((2,), ("tp",))
     prog = Program(TP2, (Inp("x", ("V",), (2, 4)),), (
         Stmt("h", "all_reduce", ("x",), axis="tp", src="V", dst="R"),
