@@ -8,9 +8,9 @@ collectives whose backward is chosen by type.
     import spmd_types as spmd
 """
 
-from ._autograd_functions import register_autograd_function, unregister_autograd_function
 from . import _raw_collectives  # noqa: F401 - types raw torch.distributed collectives on typed tensors
 from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
+from ._autograd_functions import register_autograd_function, unregister_autograd_function
 from ._axis_index import axis_index
 from ._checkpoint import check_state_dict, load_state_dict
 from ._collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
