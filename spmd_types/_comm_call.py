@@ -95,6 +95,7 @@ def run(call: Call, x: torch.Tensor) -> torch.Tensor:
 
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
@@ -103,9 +104,11 @@ def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
     The ``_c10d_functional`` ops carry a Python autograd kernel that runs even
     with grad mode off (tens of microseconds a call); the typed ops make their
     own autograd Function, so the kernels run below autograd. Not while
-    ``torch.compile`` traces, which handles the ops itself.
+    ``torch.compile`` traces, which handles the ops itself, nor under a
+    dispatch mode (the rank simulator's ``contiguous`` is itself an autograd
+    Function, which recurses below autograd).
     """
-    if _compiling():
+    if _compiling() or _dispatch_modes():
         return kernel(x, call)
     with _BELOW_AUTOGRAD():
         return kernel(x, call)
