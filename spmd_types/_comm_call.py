@@ -67,10 +67,15 @@ def _make_function(op: str) -> type[torch.autograd.Function]:
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
             ctx.call = call
+            # An output no gradient reaches stays without one (as in plain torch), not a tensor of zeros:
+            # an optimizer treats a zero gradient differently from none (weight decay).
+            ctx.set_materialize_grads(False)
             return _below_autograd(kernel, x, call)
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+            if g is None:
+                return None, None
             # A gradient made by a hand-written backward from saved typed tensors comes typed by the forward
             # rules, which say nothing about gradients (an R value's gradient is P): run the dual on it plain.
             return run(dual(ctx.call), unwrap(g)), None

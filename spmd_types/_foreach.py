@@ -97,8 +97,10 @@ def _foreach_call(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     cache = _CACHES[STATE.strict]
     types = cache.get(key, _MISSING)
     if types is _MISSING:
+        STATE.gradient_free = False
         types = _foreach_types(func, args, kwargs)
-        cache[key] = types
+        if not STATE.gradient_free:  # accepted only because no operand carries a gradient: not cached by types
+            cache[key] = types
     out = _run(func, args, kwargs)
     if types is None or type(out) not in (list, tuple):
         return out
@@ -133,8 +135,10 @@ def _fused_call(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     key = _key(func, args, {})
     cache = _CACHES[STATE.strict]
     if cache.get(key, _MISSING) is _MISSING:
+        STATE.gradient_free = False
         _fused_types(func, args)
-        cache[key] = None
+        if not STATE.gradient_free:
+            cache[key] = None
     return _run(func, args, kwargs)
 
 

@@ -142,3 +142,14 @@ def test_relaxed_result_is_not_cached_for_differentiable_operands(tp2):
             assert spmd.get_type(c * v) == {"tp": V}
         with pytest.raises(spmd.SpmdTypeError, match=r"Invariant \(I\) values only combine"):
             c * v
+
+
+def test_foreach_relaxed_result_is_not_cached_for_differentiable_operands(tp2):
+    """The multi-tensor kernels cache per-element types too: a gradient-free acceptance is not reused."""
+    with spmd.set_current_mesh(tp2), spmd.typecheck():
+        v = spmd.assert_type(torch.randn(4), {"tp": V})
+        c = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
+        with torch.no_grad():
+            assert spmd.get_type(torch._foreach_mul([c], [v])[0]) == {"tp": V}
+        with pytest.raises(spmd.SpmdTypeError, match=r"Invariant \(I\) values only combine"):
+            torch._foreach_mul([c], [v])
