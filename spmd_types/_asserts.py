@@ -407,3 +407,46 @@ def attach_boundary(
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
     return module
+
+
+# ---------------------------------------------------------------------------
+# outputs of a region with declared types (local_map, no_typecheck)
+
+
+def type_declared_outputs(who: str, name: str, out: Any, out_types: Any) -> Any:
+    """Give a region's outputs their declared types: one type dict, or one (or None) per output.
+
+    ``who`` is how messages name the region (``local_map``, ``spmd.no_typecheck``).
+    A typed value that passed through the body must already be what is declared.
+    """
+    if isinstance(out_types, Mapping):
+        return _type_declared(who, name, 0, out, out_types)
+    if not isinstance(out, (tuple, list)) or len(out) != len(out_types):
+        raise TypeError(f"{who}({name}): {len(out_types)} out_types for the {type(out).__name__} it returned")
+    return type(out)(o if t is None else _type_declared(who, name, i, o, t) for i, (o, t) in enumerate(zip(out, out_types)))
+
+
+def _type_declared(who: str, name: str, index: int, out: Any, declared: Mapping) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{who}({name}): output {index} is a {type(out).__name__}, not a tensor")
+    want, spec = _placed(out, declared, None)
+    have: TypeMap | None = getattr(out, "_spmd_types", None)
+    if have is not None:
+        for axis, w in want.items:
+            h = have.get(axis)
+            if not compatible(h, w):
+                fix = route_call(f"output{index}", axis, h, w) if h is not None else None
+                raise op_error(
+                    Rejection(
+                        f"{who}: output {index} of {name} is {h} on axis '{axis}', and out_types declares {w}.",
+                        [("output", f"{index}: {have.format()}"), ("declared", want.format()),
+                         ("axis", f"'{axis}': {h} is not {w}")],
+                        [fix + " before returning"] if fix else [],
+                    ),
+                    who.removeprefix("spmd."),
+                    (),
+                )
+    typed = make_typed(out, want)
+    if spec is not None:
+        typed._spmd_spec = spec
+    return typed

@@ -11,16 +11,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import torch
-
-from ._asserts import _placed, assert_type
+from ._asserts import assert_type, type_declared_outputs
 from ._dtensor_hook import interop, is_dtensor
-from ._errors import Rejection, op_error
 from ._mesh import Axis, require_mesh, resolve_axis
 from ._state import STATE
-from ._tensor import make_typed
-from ._transitions import route_call
-from ._types import SpmdType, TypeMap, compatible
+from ._types import SpmdType
 
 __all__ = ["local_map"]
 
@@ -96,34 +91,4 @@ def _check_declarations(in_types: Any, out_types: Any) -> None:
 
 
 def _exit(name: str, out: Any, out_types: TypeDict | Sequence[TypeDict | None]) -> Any:
-    if isinstance(out_types, Mapping):
-        return _retype(name, 0, out, out_types)
-    if not isinstance(out, (tuple, list)) or len(out) != len(out_types):
-        raise TypeError(f"local_map({name}): {len(out_types)} out_types for the {type(out).__name__} it returned")
-    return type(out)(o if t is None else _retype(name, i, o, t) for i, (o, t) in enumerate(zip(out, out_types)))
-
-
-def _retype(name: str, index: int, out: Any, declared: TypeDict) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"local_map({name}): output {index} is a {type(out).__name__}, not a tensor")
-    want, spec = _placed(out, declared, None)
-    have: TypeMap | None = getattr(out, "_spmd_types", None)
-    if have is not None:
-        for axis, w in want.items:
-            h = have.get(axis)
-            if not compatible(h, w):
-                fix = route_call(f"output{index}", axis, h, w) if h is not None else None
-                raise op_error(
-                    Rejection(
-                        f"local_map: output {index} of {name} is {h} on axis '{axis}', and out_types declares {w}.",
-                        [("output", f"{index}: {have.format()}"), ("declared", want.format()),
-                         ("axis", f"'{axis}': {h} is not {w}")],
-                        [fix + " before returning"] if fix else [],
-                    ),
-                    "local_map",
-                    (),
-                )
-    typed = make_typed(out, want)
-    if spec is not None:
-        typed._spmd_spec = spec
-    return typed
+    return type_declared_outputs("local_map", name, out, out_types)

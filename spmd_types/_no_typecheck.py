@@ -13,15 +13,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
-
-from ._asserts import _placed, assert_type
-from ._errors import Rejection, op_error
+from ._asserts import assert_type, type_declared_outputs
 from ._mesh import Axis
 from ._state import STATE
-from ._tensor import make_typed
-from ._transitions import route_call
-from ._types import SpmdType, TypeMap, compatible
+from ._types import SpmdType
 
 __all__ = ["no_typecheck"]
 
@@ -103,36 +98,4 @@ class _Region:
 
 
 def _type_outputs(name: str, out: Any, out_types: Any) -> Any:
-    if isinstance(out_types, Mapping):
-        return _typed(name, 0, out, out_types)
-    if not isinstance(out, (tuple, list)) or len(out) != len(out_types):
-        raise TypeError(
-            f"spmd.no_typecheck({name}): {len(out_types)} out_types for the {type(out).__name__} it returned"
-        )
-    return type(out)(o if t is None else _typed(name, i, o, t) for i, (o, t) in enumerate(zip(out, out_types)))
-
-
-def _typed(name: str, index: int, out: Any, declared: TypeDict) -> torch.Tensor:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"spmd.no_typecheck({name}): output {index} is a {type(out).__name__}, not a tensor")
-    want, spec = _placed(out, declared, None)
-    have: TypeMap | None = getattr(out, "_spmd_types", None)
-    if have is not None:  # a typed value passed through the body: it must already be what is declared
-        for axis, w in want.items:
-            h = have.get(axis)
-            if not compatible(h, w):
-                fix = route_call(f"output{index}", axis, h, w) if h is not None else None
-                raise op_error(
-                    Rejection(
-                        f"spmd.no_typecheck: output {index} of {name} is {h} on axis '{axis}', and out_types "
-                        f"declares {w}.",
-                        [("output", f"{index}: {have.format()}"), ("declared", want.format())],
-                        [fix + " before returning"] if fix else [],
-                    ),
-                    "no_typecheck",
-                    (),
-                )
-    typed = make_typed(out, want)
-    if spec is not None:
-        typed._spmd_spec = spec
-    return typed
+    return type_declared_outputs("spmd.no_typecheck", name, out, out_types)
