@@ -220,6 +220,7 @@ def _gloo_worker(rank: int, init_method: str, out_dir: str) -> None:
             row = {"index": int(index), "index_type": str(spmd.get_type(index)), "y": y.tolist(),
                    "y_type": str(spmd.get_type(y)), "z": z.tolist(), "grad": x.grad.tolist()}
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(row))
+        dist.barrier()  # both ranks done before either tears gloo down (a lone teardown aborted under load)
     finally:
         dist.destroy_process_group()
 
