@@ -88,6 +88,7 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=60))
         row.update(run(rank))
+        dist.barrier()  # every rank done before gloo is torn down
         dist.destroy_process_group()
     except Exception:
         row["error"] = traceback.format_exc()

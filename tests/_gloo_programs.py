@@ -296,6 +296,7 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
                     if not _agree(error is not None):
                         record(key="__worker__", error=f"ranks disagree after {name}-{mode}; stopped", checked=[])
                         return
+            dist.barrier()  # every rank done before gloo is torn down
             dist.destroy_process_group()
         except Exception:
             record(key="__worker__", error=traceback.format_exc(), checked=[], seconds=0.0)
@@ -515,6 +516,7 @@ def dp_worker(rank: int, init_method: str, out_dir: str) -> None:
                     if not _agree(error is not None):
                         record(key="__worker__", error=f"ranks disagree after {name}-{mode}; stopped", checked=[])
                         return
+            dist.barrier()  # every rank done before gloo is torn down
             dist.destroy_process_group()
         except Exception:
             record(key="__worker__", error=traceback.format_exc(), checked=[], seconds=0.0)

@@ -298,6 +298,7 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
                 f.write(json.dumps(row) + "\n")
     finally:
         ps.destroy_model_parallel()
+        dist.barrier()  # every rank done before gloo is torn down
         dist.destroy_process_group()
         patch.undo()
 

@@ -461,6 +461,7 @@ def _gloo_worker(rank: int, init_method: str, out_dir: str) -> None:
                 dist.broadcast(w, 0)
         row.update(everywhere=[everywhere.tolist(), str(spmd.get_type(everywhere))],
                    along_dp=[along_dp.tolist(), str(spmd.get_type(along_dp))], broadcast=w.tolist())
+        dist.barrier()  # every rank done before gloo is torn down
         dist.destroy_process_group()
     except Exception:
         row["error"] = traceback.format_exc()
