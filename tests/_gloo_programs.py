@@ -273,7 +273,12 @@ def _agree(failed: bool) -> bool:
 
 
 def worker(rank: int, init_method: str, out_dir: str) -> None:
-    """One rank: run every program typed and erased, appending a JSON line per result to rank<r>.jsonl."""
+    """One rank of the dp=2 x tp=2 mesh: run every program typed and erased, a JSON line per result."""
+    _run_worker(rank, init_method, out_dir, (2, 2), ("dp", "tp"), PROGRAMS, run_program)
+
+
+def _run_worker(rank: int, init_method: str, out_dir: str, shape: tuple, names: tuple, programs, runner) -> None:
+    """Run ``programs`` typed and erased on a mesh of ``shape``, appending a JSON line per result to rank<r>.jsonl."""
     torch.set_num_threads(1)  # 4 processes on 2 cores
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
     with open(path, "w") as out:
@@ -284,12 +289,12 @@ def worker(rank: int, init_method: str, out_dir: str) -> None:
         try:
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
                                     timeout=datetime.timedelta(seconds=60))
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            for name in PROGRAMS:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            for name in programs:
                 for mode in MODES:
                     start, error, checked = time.perf_counter(), None, []
                     try:
-                        checked = run_program(name, mode == "typed", mesh)
+                        checked = runner(name, mode == "typed", mesh)
                     except Exception:
                         error = traceback.format_exc()
                     record(key=f"{name}-{mode}", error=error, checked=checked, seconds=time.perf_counter() - start)
@@ -494,29 +499,4 @@ def run_dp_program(name: str, typed: bool, mesh) -> list[str]:
 
 def dp_worker(rank: int, init_method: str, out_dir: str) -> None:
     """One rank of a dp=4 mesh: every data-parallel recipe typed and erased, a JSON line per result."""
-    torch.set_num_threads(1)
-    path = os.path.join(out_dir, f"rank{rank}.jsonl")
-    with open(path, "w") as out:
-        def record(**row) -> None:
-            out.write(json.dumps(row) + "\n")
-            out.flush()
-
-        try:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
-                                    timeout=datetime.timedelta(seconds=60))
-            mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
-            for name in DP_PROGRAMS:
-                for mode in MODES:
-                    start, error, checked = time.perf_counter(), None, []
-                    try:
-                        checked = run_dp_program(name, mode == "typed", mesh)
-                    except Exception:
-                        error = traceback.format_exc()
-                    record(key=f"{name}-{mode}", error=error, checked=checked, seconds=time.perf_counter() - start)
-                    if not _agree(error is not None):
-                        record(key="__worker__", error=f"ranks disagree after {name}-{mode}; stopped", checked=[])
-                        return
-            dist.barrier()  # every rank done before gloo is torn down
-            dist.destroy_process_group()
-        except Exception:
-            record(key="__worker__", error=traceback.format_exc(), checked=[], seconds=0.0)
+    _run_worker(rank, init_method, out_dir, (WORLD,), ("dp",), DP_PROGRAMS, run_dp_program)
