@@ -191,7 +191,7 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         out_types = _rule_types(cls, reg, args)
     else:
         out_types = _local_types(cls, args, kwargs)
-    _refuse_global(cls, args, out_types)
+    _refuse_global(cls)
     out = _original_apply(cls, reg, _plain(args), {k: _plain(v) for k, v in kwargs.items()})
     return _type_outputs(cls, out, out_types)
 
@@ -295,7 +295,7 @@ def _local_types(cls: type, args: tuple, kwargs: dict) -> TypeMap | None:
     return result
 
 
-def _refuse_global(cls: type, args: tuple, out_types: Any) -> None:
+def _refuse_global(cls: type) -> None:
     if not STATE.global_mode:
         return
     mesh = current_mesh()

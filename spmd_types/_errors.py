@@ -12,7 +12,7 @@ import linecache
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = ["SpmdTypeError", "Rejection", "user_source_line"]
 
@@ -32,14 +32,14 @@ def user_source_line() -> str | None:
     return found[0] if found else None
 
 
-def user_source() -> tuple[str, str] | None:
-    """``(path:line: code, code)`` of the innermost user frame, or None."""
+def user_source(start: Any = None) -> tuple[str, str] | None:
+    """``(path:line: code, code)`` of the innermost user frame (from frame ``start`` outwards), or None."""
     global _SKIP_DIRS
     if len(_SKIP_DIRS) == 1:
         import contextlib
 
         _SKIP_DIRS = (_PKG_DIR, _torch_dir(), os.path.dirname(contextlib.__file__))
-    frame = sys._getframe(1)
+    frame = sys._getframe(1) if start is None else start
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         # typing_extensions: its @deprecated wrapper sits between the user and a deprecated torch function

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._errors import Rejection, SpmdTypeError, user_source_line
+from ._errors import Rejection, SpmdTypeError, user_source
 
 __all__ = ["ALLOWED", "check_no_unregistered_function", "unregistered_error"]
 
@@ -64,20 +64,8 @@ def _torch_transparent(cls: type) -> bool:
 
 def _caller_line(apply_frame: Any) -> str | None:
     """The user's line that called ``cls.apply(...)`` (outside spmd_types and torch)."""
-    import linecache
-    import os
-
-    frame = apply_frame.f_back
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    pkg_dir = os.path.dirname(os.path.abspath(__file__))
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith((torch_dir, pkg_dir)) and not frame.f_code.co_filename.startswith("<"):
-            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            shown = os.path.relpath(filename) if not os.path.relpath(filename).startswith("..") else filename
-            return f"{shown}:{frame.f_lineno}: {code}"
-        frame = frame.f_back
-    return user_source_line()
+    found = user_source(apply_frame.f_back)
+    return found[0] if found else None
 
 
 def unregistered_error(cls: type, source: str | None) -> SpmdTypeError:
