@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_types as spmd
-from spmd_types._collectives import all_gather, all_reduce, reduce_scatter
+from spmd_types._comm.collectives import all_gather, all_reduce, reduce_scatter
 
 
 def _time(fn, n: int = 2000, repeats: int = 7) -> float:

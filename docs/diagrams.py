@@ -3,7 +3,7 @@
 Run: python docs/diagrams.py            (writes docs/img/*.svg)
      python docs/diagrams.py --check    (exit 1 if a picture is missing, stale or extra)
 
-One picture per row of ``spmd_types._transitions.TRANSITIONS``: three ranks as
+One picture per row of ``spmd_types._local.transitions.TRANSITIONS``: three ranks as
 rows, the forward on the left and its backward (the op the row names) on the
 right, in seed 003's notation (``+A`` is one term of a pending sum, ``[A, B]``
 a value laid out on a dim). The per-rank values are the ones docs/collectives.md
@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 
 from generate import _DIAGRAMS  # noqa: E402  (the per-rank values docs/collectives.md shows)
 
-from spmd_types._transitions import TRANSITIONS  # noqa: E402
+from spmd_types._local.transitions import TRANSITIONS  # noqa: E402
 
 IMG = HERE / "img"
 FILL = {"R": "#dbeafe", "I": "#dcfce7", "V": "#fef3c7", "P": "#fce7f3"}

@@ -8,24 +8,22 @@ collectives whose backward is chosen by type.
     import spmd_types as spmd
 """
 
-from . import _raw_collectives  # noqa: F401 - types raw torch.distributed collectives on typed tensors
-from ._asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
-from ._autograd_functions import register_autograd_function, unregister_autograd_function
-from ._axis_index import axis_index
-from ._checkpoint import check_state_dict, load_state_dict
-from ._collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
-from ._ddp import register_ddp
-from ._errors import SpmdTypeError
-from ._explicit import einsum, linear, matmul, sum
-from ._local import convert, reinterpret
-from ._local_map import local_map
-from ._mesh import set_current_mesh
-from ._no_typecheck import no_typecheck
-from ._redistribute_spec import plan_redistribute
-from ._rules_table import RuleKind
-from ._scalar import Scalar
-from ._tensor import LTensor
-from ._types import (
+from ._boundaries.autograd_functions import register_autograd_function, unregister_autograd_function
+from ._boundaries.checkpoint import check_state_dict, load_state_dict
+from ._boundaries.ddp import register_ddp
+from ._boundaries.local_map import local_map
+from ._boundaries.no_typecheck import no_typecheck
+from ._boundaries.scalar import Scalar
+from ._checker.asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
+from ._checker.tensor import LTensor
+from ._comm import raw_collectives as _raw_collectives  # noqa: F401 - types raw torch.distributed collectives on typed tensors
+from ._comm.axis_index import axis_index
+from ._comm.collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
+from ._comm.redistribute_spec import plan_redistribute
+from ._comm.reinterpret_convert import convert, reinterpret
+from ._core.errors import SpmdTypeError
+from ._core.mesh import set_current_mesh
+from ._core.types import (
     I,
     Invariant,
     P,
@@ -40,6 +38,8 @@ from ._types import (
     Varying,
     backward_type,
 )
+from ._global.explicit import einsum, linear, matmul, sum
+from ._local.rules_table import RuleKind
 
 __all__ = [
     "R", "I", "V", "P", "S", "Replicate", "Invariant", "Varying", "Partial", "Shard",
@@ -57,7 +57,7 @@ __all__ = [
 _INTEROP = {
     "Reduced": "placements", "is_reduced": "placements", "placement_to_type": "placements",
     "type_to_placement": "placements", "placement_to_cotangent": "placements", "spec_to_cotangent": "placements",
-    "from_dtensor": "dtensor", "to_dtensor": "dtensor",
+    "from_dtensor": "bridge", "to_dtensor": "bridge",
 }
 __all__ += list(_INTEROP)
 
@@ -68,4 +68,4 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'spmd_types' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f".interop.{module}", __name__), name)
+    return getattr(importlib.import_module(f".integrations.dtensor.{module}", __name__), name)

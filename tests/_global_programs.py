@@ -27,7 +27,7 @@ import torch
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types._spec import normalize, spec_from_shards
+from spmd_types._core.spec import normalize, spec_from_shards
 
 Spec = tuple[tuple[str, ...], ...]
 

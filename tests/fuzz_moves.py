@@ -18,7 +18,7 @@ from typing import Any
 from fuzz_functions import TYPE_FUNCTIONS
 from fuzz_oracle import is_list_type
 
-from spmd_types._transitions import TRANSITIONS
+from spmd_types._local.transitions import TRANSITIONS
 
 __all__ = ["Val", "Move", "moves", "GOOD", "BAD", "MAX_NUMEL"]
 

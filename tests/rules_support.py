@@ -10,7 +10,8 @@ import torch
 from conftest import fake_mesh
 
 import spmd_types as spmd
-from spmd_types import I, P, R, S, V, _tensor
+from spmd_types import I, P, R, S, V
+from spmd_types._checker import tensor as _tensor
 
 
 @pytest.fixture(scope="module")

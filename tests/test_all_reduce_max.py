@@ -19,7 +19,7 @@ from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types._collectives import EXTREME_ROWS
+from spmd_types._comm.collectives import EXTREME_ROWS
 from spmd_types.testing import CommCounter, denote, per_rank, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

@@ -31,8 +31,8 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 import spmd_types as spmd
-from spmd_types._mesh import current_mesh
-from spmd_types._state import STATE
+from spmd_types._core.mesh import current_mesh
+from spmd_types._core.state import STATE
 from spmd_types.testing import CommCounter, denote, per_rank
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

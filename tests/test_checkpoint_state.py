@@ -159,7 +159,7 @@ class _Forged:
 
 
 def test_weights_only_stays_safe(mesh):
-    from spmd_types._types import _type_map_of
+    from spmd_types._core.types import _type_map_of
 
     # Our rebuild functions validate their arguments...
     with pytest.raises(TypeError) as info:
@@ -169,7 +169,7 @@ def test_weights_only_stays_safe(mesh):
     with pytest.raises(pickle.UnpicklingError) as info:
         _roundtrip(_Forged((print, ("hi",))))
     assert "Unsupported global: GLOBAL print was not an allowed global by default." in str(info.value)
-    assert set(spmd._checkpoint.SAFE_GLOBALS) <= set(torch.serialization.get_safe_globals())
+    assert set(spmd._boundaries.checkpoint.SAFE_GLOBALS) <= set(torch.serialization.get_safe_globals())
 
 
 def test_global_spmd_partition_specs_survive_the_round_trip(mesh):

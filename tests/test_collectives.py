@@ -18,9 +18,9 @@ from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types import _collectives as coll
-from spmd_types import _local as local
-from spmd_types._transitions import TRANSITIONS, Transition
+from spmd_types._comm import collectives as coll
+from spmd_types._comm import reinterpret_convert as local
+from spmd_types._local.transitions import TRANSITIONS, Transition
 from spmd_types.testing import CommCounter, denote, pair, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

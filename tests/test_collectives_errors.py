@@ -7,8 +7,8 @@ import torch
 from conftest import fake_mesh
 
 import spmd_types as spmd
-from spmd_types._collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
-from spmd_types._local import convert, reinterpret
+from spmd_types._comm.collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
+from spmd_types._comm.reinterpret_convert import convert, reinterpret
 from spmd_types.testing import CommCounter
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

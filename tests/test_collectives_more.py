@@ -8,9 +8,9 @@ from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types._collectives import all_gather, all_reduce, redistribute, reduce_scatter
-from spmd_types._local import convert
-from spmd_types._transitions import ROUTE
+from spmd_types._comm.collectives import all_gather, all_reduce, redistribute, reduce_scatter
+from spmd_types._comm.reinterpret_convert import convert
+from spmd_types._local.transitions import ROUTE
 from spmd_types.testing import CommCounter, denote, pair, per_rank, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
@@ -175,7 +175,7 @@ def test_redistribute_keeps_meaning(mesh4, src, dst):
 
 
 def test_every_backward_the_table_names_can_be_looked_up():
-    from spmd_types._transitions import TRANSITIONS, backward_of
+    from spmd_types._local.transitions import TRANSITIONS, backward_of
 
     for row in TRANSITIONS:
         back = backward_of(row.op, row.src, row.dst)

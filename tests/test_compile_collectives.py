@@ -13,8 +13,8 @@ import torch._dynamo.testing
 from conftest import fake_mesh
 
 import spmd_types as spmd
-from spmd_types._collectives import all_reduce
-from spmd_types._local import reinterpret
+from spmd_types._comm.collectives import all_reduce
+from spmd_types._comm.reinterpret_convert import reinterpret
 from spmd_types.testing import CommCounter
 
 

@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from spmd_types._transitions import ROUTE, TRANSITIONS, find
-from spmd_types._types import P, V
+from spmd_types._core.types import P, V
+from spmd_types._local.transitions import ROUTE, TRANSITIONS, find
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "collectives.md"
 OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute")

@@ -91,7 +91,7 @@ def test_pictures_equal_a_fresh_drawing():
 
 
 def test_every_transition_has_a_picture_on_the_concepts_page():
-    from spmd_types._transitions import TRANSITIONS
+    from spmd_types._local.transitions import TRANSITIONS
 
     concepts = (DOCS / "concepts.md").read_text()
     for t in TRANSITIONS:

@@ -12,7 +12,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 import spmd_types as spmd
-from spmd_types.interop.propagation import plain_dtensor
+from spmd_types.integrations.dtensor.propagation import plain_dtensor
 from spmd_types.testing import CommCounter, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

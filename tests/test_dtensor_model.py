@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils import parametrize
 
 import spmd_types as spmd
-from spmd_types.interop.propagation import plain_dtensor
+from spmd_types.integrations.dtensor.propagation import plain_dtensor
 from spmd_types.testing import CommCounter, per_rank, rank_values
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}

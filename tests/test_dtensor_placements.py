@@ -94,8 +94,8 @@ def test_unsupported_placements_and_v_are_errors():
 
 def test_import_spmd_types_does_not_import_dtensor():
     code = ("import sys, spmd_types as spmd; assert 'torch.distributed.tensor' not in sys.modules; "
-            "assert 'spmd_types.interop' not in sys.modules; spmd.Reduced; "
-            "assert 'spmd_types.interop' in sys.modules")
+            "assert 'spmd_types.integrations.dtensor' not in sys.modules; spmd.Reduced; "
+            "assert 'spmd_types.integrations.dtensor' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -236,7 +236,7 @@ def test_typed_op_gathers_the_inner_mesh_dim_of_a_doubly_sharded_dim():
         dt = _dt(random_value(mesh, {"dp": S(0), "tp": S(0)}, (2, 4)), mesh, [Shard(0), Shard(0)])
         out = spmd.all_gather(dt, "tp", src=S(0), dst=R)
         assert strict(out.placements) == (("Shard", 0), ("Reduced", None))
-        from spmd_types.interop.propagation import plain_dtensor
+        from spmd_types.integrations.dtensor.propagation import plain_dtensor
 
         full_in = rank_values(plain_dtensor(dt).full_tensor())[0]
         full_out = rank_values(plain_dtensor(out).full_tensor())[0]

@@ -1,4 +1,4 @@
-"""Reduced propagation on ordinary DTensor ops, per op family (spmd_types/interop/propagation.py).
+"""Reduced propagation on ordinary DTensor ops, per op family (spmd_types/integrations/dtensor/propagation.py).
 
 The rule: on each mesh dim, an output that DTensor computes as ``Replicate()``
 is ``Reduced()`` when every DTensor input is ``Reduced()`` there (seed 001's
@@ -17,7 +17,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import spmd_types as spmd
-from spmd_types.interop.propagation import plain_dtensor
+from spmd_types.integrations.dtensor.propagation import plain_dtensor
 from spmd_types.testing import CommCounter, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_types as spmd
-from spmd_types._source import operand_expressions
+from spmd_types._core.source import operand_expressions
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import spmd_types as spmd
-from spmd_types._shard_rules import SHARD_ROWS
-from spmd_types._tensor import _CACHES
+from spmd_types._checker.tensor import _CACHES
+from spmd_types._global.shard_rules import SHARD_ROWS
 
 R, I, V, P, S = spmd.R, spmd.I, spmd.V, spmd.P, spmd.S
 

@@ -16,8 +16,8 @@ import re
 
 import pytest
 
-from spmd_types._transitions import backward_of, find
-from spmd_types._types import I, P, R, V
+from spmd_types._core.types import I, P, R, V
+from spmd_types._local.transitions import backward_of, find
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "jax.md"
 _TYPES = {"I": I, "V": V, "P": P, "R": R}

@@ -38,6 +38,7 @@ from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 
 import spmd_types as spmd  # noqa: E402
 from spmd_types import megatron as spmd_megatron  # noqa: E402
+from spmd_types.integrations.megatron import adapter as _adapter  # noqa: E402
 from spmd_types.testing import verify_registration  # noqa: E402
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
@@ -202,7 +203,7 @@ def test_gpt_at_production_size_dp8_tp8_in_seconds(cpu):
 
 def test_unregistered_function_is_refused(cpu):
     model, mesh, batch = fake_gpt(2, 2)
-    from spmd_types._autograd_functions import unregister_autograd_function
+    from spmd_types._boundaries.autograd_functions import unregister_autograd_function
 
     spmd_megatron.register()
     unregister_autograd_function(mappings._ReduceFromModelParallelRegion)
@@ -210,7 +211,7 @@ def test_unregistered_function_is_refused(cpu):
         with pytest.raises(spmd.SpmdTypeError) as err:
             typed_step(model, batch, mesh)
     finally:
-        spmd_megatron._REGISTERED.clear()
+        _adapter._REGISTERED.clear()
         spmd_megatron.register()
     assert err.value.rule.startswith("The custom autograd Function _ReduceFromModelParallelRegion is applied to "
                                      "typed tensors, but it is not registered")
@@ -296,7 +297,7 @@ def test_registration_compared_by_hand_where_verify_registration_cannot(cpu, nam
     mesh = fake_mesh((4,), ("tp",))
     spmd_megatron.register()
     group = mesh.get_group("tp")
-    from spmd_types._autograd_functions import registration_of
+    from spmd_types._boundaries.autograd_functions import registration_of
 
     cls, shape = {
         "gather_from_tp_forward": (mappings._GatherFromModelParallelRegion, (3, 2)),
@@ -348,7 +349,7 @@ def test_the_functions_gpt_model_reaches(cpu, sp):
 
 def test_every_adapter_message(cpu):
     """The adapter's remaining refusals, each with its exact text (rules called with the types they refuse)."""
-    from spmd_types._types import TypeMap
+    from spmd_types._core.types import TypeMap
 
     fake_mesh((2, 2), ("dp", "tp"))
     init_parallel(2)
@@ -357,9 +358,9 @@ def test_every_adapter_message(cpu):
     def tm(tp, dp=V):
         return TypeMap.of({"dp": dp, "tp": tp})
 
-    linear = spmd_megatron._linear_rule("Linear", 5, 4, 8)
-    frozen = spmd_megatron._linear_rule("Frozen", None, 3, 4)
-    ce = spmd_megatron._cross_entropy_rule(None)
+    linear = _adapter._linear_rule("Linear", 5, 4, 8)
+    frozen = _adapter._linear_rule("Frozen", None, 3, 4)
+    ce = _adapter._cross_entropy_rule(None)
     cases = [
         (lambda: linear(tm(R), tm(S(0)), None, False, False, True, None, None, group),
          "Linear: with sequence_parallel=True its forward all-gathers the input along dim 0 and its backward "
@@ -375,18 +376,18 @@ def test_every_adapter_message(cpu):
          "Linear: its input is P on 'dp', so the weight must be R and there must be no bias"),
         (lambda: ce(tm(S(-1), dp=P), None),
          "vocab-parallel cross entropy is not linear: its logits must not be P on 'dp'"),
-        (lambda: spmd_megatron._gather_sp_rule(tm(I), group, True),
+        (lambda: _adapter._gather_sp_rule(tm(I), group, True),
          "gather_from_sequence_parallel_region all-gathers along dim 0: its input must be S(0) on 'tp'"),
-        (lambda: spmd_megatron._gather_sp_rule(tm(S(0)), group, True, [3, 5]),
+        (lambda: _adapter._gather_sp_rule(tm(S(0)), group, True, [3, 5]),
          "gather_from_sequence_parallel_region with output_split_sizes (uneven all-gather) has no typed "
          "equivalent: the shards' sizes differ per rank"),
-        (lambda: spmd_megatron._all_to_all_rule(group, tm(I), None, None),
+        (lambda: _adapter._all_to_all_rule(group, tm(I), None, None),
          "Megatron's all_to_all exchanges different rows with every rank: its input must be V on 'tp'"),
     ]
     with spmd.set_current_mesh(spmd_megatron.mesh()):
         for call, rule in cases:
             got = call()
-            assert isinstance(got, spmd._errors.Rejection) and got.rule == rule, (got, rule)
+            assert isinstance(got, spmd._core.errors.Rejection) and got.rule == rule, (got, rule)
 
     with pytest.raises(ValueError) as err:
         spmd_megatron.axis_of_group(group)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import spmd_types as spmd
-from spmd_types._mesh import current_mesh, resolve_axis
+from spmd_types._core.mesh import current_mesh, resolve_axis
 
 
 def test_device_mesh_axes(mesh_dp_tp):

@@ -238,7 +238,7 @@ def test_fused_step_rejects_a_partial_state(mesh):
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_types_are_checked_once_not_every_step(mesh, monkeypatch, impl):
     """The kernels' element types are one cache key: a second step runs no rule inference."""
-    from spmd_types import _foreach
+    from spmd_types._checker import foreach as _foreach
 
     calls = []
     real = _foreach.infer

@@ -14,8 +14,8 @@ import torch
 from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-from spmd_types._planner import Plan, plan_redistribute
-from spmd_types._planner_exec import execute_plan
+from spmd_types._comm.planner import Plan, plan_redistribute
+from spmd_types._comm.planner_exec import execute_plan
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "redistribute.md"
 
@@ -276,7 +276,7 @@ def test_merged_pads_keep_their_offsets():
     """Two pads in a row (tp, then dp) merge into one pad listed major to minor, and still run right."""
     from fractions import Fraction
 
-    import spmd_types._planner as planner
+    import spmd_types._comm.planner as planner
 
     c = next(c for c in CASES if c.id == "to_partial_from_two_axes")
     plan = _plan(c)

@@ -1,4 +1,4 @@
-"""Raw torch.distributed collectives on typed tensors (spmd_types/_raw_collectives.py).
+"""Raw torch.distributed collectives on typed tensors (spmd_types/_comm/raw_collectives.py).
 
 Functional collectives run as the typed op they are (typed result, seed 003's
 backward); in-place ones may not change their tensor's type; out= forms need a
@@ -16,7 +16,7 @@ from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalIntNode, LocalTensorMode, maybe_disable_local_tensor_mode
 
 import spmd_types as spmd
-from spmd_types._raw_collectives import RAW_OPS, Form
+from spmd_types._comm.raw_collectives import RAW_OPS, Form
 from spmd_types.testing import CommCounter, denote, pair, per_rank, random_value, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

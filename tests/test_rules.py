@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from rules_support import IN_PLACE, NEEDS_R, NOT_LINEAR, P_PLUS, P_TIMES_NON_R, P_TIMES_P, rejects, tp_type, typed  # noqa: F401
 
 import spmd_types as spmd
-from spmd_types import P, R, V, _tensor
-from spmd_types._op_registry import ENTRIES, UNRESOLVED, _resolve, entry_for
-from spmd_types._rules_table import ROWS, Row, RuleKind
+from spmd_types import P, R, V
+from spmd_types._checker import tensor as _tensor
+from spmd_types._local.op_registry import ENTRIES, UNRESOLVED, _resolve, entry_for
+from spmd_types._local.rules_table import ROWS, Row, RuleKind
 
 # ---------------------------------------------------------------------------
 # per-row recipes

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from conftest import fake_mesh
 
 import spmd_types as spmd
-from spmd_types import I, P, R, V, _tensor
-from spmd_types._op_registry import entry_for
+from spmd_types import I, P, R, V
+from spmd_types._checker import tensor as _tensor
+from spmd_types._local.op_registry import entry_for
 
 _FILE = os.path.abspath(__file__)
 with open(_FILE) as _f:

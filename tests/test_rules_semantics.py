@@ -13,7 +13,7 @@ from rules_support import IN_PLACE, NEEDS_R, NOT_LINEAR, P_PLUS, P_TIMES_NON_R, 
 
 import spmd_types as spmd
 from spmd_types import I, P, R, V
-from spmd_types._op_registry import ENTRIES
+from spmd_types._local.op_registry import ENTRIES
 
 # ---------------------------------------------------------------------------
 # the seed's combination list

@@ -8,8 +8,8 @@ from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types._comm_call import resolve_comm
-from spmd_types._comm_impl import group_rank
+from spmd_types._comm.call import resolve_comm
+from spmd_types._comm.impl import group_rank
 from spmd_types.testing import CommCounter, denote, per_rank, rank_values
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import spmd_types as spmd
-from spmd_types._mesh import current_mesh
+from spmd_types._core.mesh import current_mesh
 from spmd_types.testing import CommCounter, denote, per_rank, simulate
 
 

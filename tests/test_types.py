@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 import spmd_types as spmd
-from spmd_types._types import TypeMap
+from spmd_types._core.types import TypeMap
 
 
 def test_long_names_alias_short_ones():

@@ -1,0 +1,322 @@
+"""Registering existing ``torch.autograd.Function`` classes with their SPMD types.
+
+A registration is a claim about what the Function does, forward and
+backward, in terms the checker knows:
+
+* ``local=True``: no communication either way; the output types follow the
+  standard rule for a non-linear op (R with R is R, V with R or V is V, I only
+  with I, no P).
+* ``op=..., axis=..., src=..., dst=...``: it behaves like ``spmd.<op>(x, axis,
+  src=, dst=)`` on its first tensor argument (Megatron's copy-to region is
+  ``reinterpret(x, 'tp', src=I, dst=R)``: identity forward, all-reduce backward).
+* ``rule=...``: ``rule(*arg_types)`` gives the output types.
+* ``transparent=True``: its forward is checked op by op, like ordinary code,
+  and its output types are what those ops give. Only sound when the backward
+  is the true derivative of the forward (activation checkpointing).
+
+Typed inputs are checked against the claim before the Function runs; the
+Function itself then runs on plain aliases of its inputs, so its forward and
+its hand-written backward do exactly what they did before. Registration sets
+``apply`` on the registered class only (never on ``torch.autograd.Function``);
+with checking off the wrapper calls the original ``apply`` straight away.
+:func:`spmd_types.testing.verify_registration` checks a claim on simulated ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from .._checker.tensor import _wrap
+from .._comm.call import begin, type_result, unwrap
+from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
+from .._core.mesh import current_mesh
+from .._core.state import STATE
+from .._core.types import SpmdType, TypeMap, check_type_value
+from .._guards.function_guard import ALLOWED
+from .._local.op_registry import OpEntry
+from .._local.rules import infer
+from .._local.rules_table import Row, RuleKind
+
+__all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function"]
+
+_OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_FUNCTION_BASE_APPLY = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+
+
+class Registration(NamedTuple):
+    """What a registered Function claims to do."""
+
+    kind: str  # "local", "op", "rule" or "transparent"
+    op: str | None = None
+    axis: Any = None
+    src: SpmdType | None = None
+    dst: SpmdType | None = None
+    reduce: str = "sum"
+    rule: Callable[..., Any] | None = None
+    original_apply: Any = None  # the class's own ``apply`` before registration, if it defined one
+
+
+_REGISTRY: dict[type, Registration] = {}
+_LOCK = threading.Lock()
+
+
+def register_autograd_function(
+    cls: type | None = None,
+    *,
+    local: bool = False,
+    op: str | None = None,
+    axis: Any = None,
+    src: SpmdType | None = None,
+    dst: SpmdType | None = None,
+    reduce: str = "sum",
+    rule: Callable[..., Any] | None = None,
+    transparent: bool = False,
+) -> Any:
+    """Tell the checker what a custom ``torch.autograd.Function`` does, so it may run on typed tensors.
+
+    Exactly one of ``local=True``, ``op=`` (with ``axis``, ``src``, ``dst``),
+    ``rule=`` or ``transparent=True``. ``axis`` is a mesh axis name, a
+    ``ProcessGroup``, or a callable ``(args, kwargs) -> axis`` (for Functions
+    that take their group as an argument). ``rule(*arg_types)`` receives, per
+    positional argument, the tensor's ``TypeMap`` (``None`` if it is a plain
+    tensor) or the argument itself when it is not a tensor, and returns the
+    output's types (a dict ``{axis: type}``), or a tuple of them for several
+    outputs. Registering again replaces the claim. Usable as a class decorator.
+
+    Example::
+
+        spmd.register_autograd_function(
+            _CopyToModelParallelRegion, op="reinterpret", axis=lambda args, kwargs: args[1],
+            src=spmd.I, dst=spmd.R,
+        )
+
+        @spmd.register_autograd_function(local=True)
+        class FusedGelu(torch.autograd.Function):
+            ...
+    """
+    reg = _registration(local, op, axis, src, dst, reduce, rule, transparent)
+    if cls is None:
+        return lambda c: register_autograd_function(
+            c, local=local, op=op, axis=axis, src=src, dst=dst, reduce=reduce, rule=rule, transparent=transparent
+        )
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(f"register_autograd_function takes a torch.autograd.Function subclass, got {cls!r}")
+    with _LOCK:
+        previous = _REGISTRY.get(cls)
+        own = cls.__dict__.get("apply")
+        if previous is not None:
+            original = previous.original_apply
+        else:
+            original = own.__func__ if isinstance(own, classmethod) else None
+            cls.apply = classmethod(_typed_apply)  # type: ignore[method-assign]
+        _REGISTRY[cls] = reg._replace(original_apply=original)
+        ALLOWED[cls] = reg.kind
+    return cls
+
+
+def unregister_autograd_function(cls: type) -> None:
+    """Undo :func:`register_autograd_function` (the class gets its own ``apply`` back)."""
+    with _LOCK:
+        reg = _REGISTRY.pop(cls, None)
+        ALLOWED.pop(cls, None)
+        if reg is None:
+            return
+        if reg.original_apply is not None:
+            cls.apply = classmethod(reg.original_apply)  # type: ignore[method-assign]
+        else:
+            del cls.apply
+
+
+def registration_of(cls: type) -> Registration | None:
+    """The claim registered for ``cls``, or None."""
+    return _REGISTRY.get(cls)
+
+
+def _registration(local, op, axis, src, dst, reduce, rule, transparent) -> Registration:
+    given = [name for name, on in (("local", local), ("op", op is not None), ("rule", rule is not None),
+                                   ("transparent", transparent)) if on]
+    if len(given) != 1:
+        raise TypeError(
+            "register_autograd_function takes exactly one of local=True, op=... (with axis, src, dst), rule=... "
+            f"or transparent=True; got {', '.join(given) or 'none'}"
+        )
+    kind = given[0]
+    if kind != "op":
+        extra = [n for n, v in (("axis", axis), ("src", src), ("dst", dst)) if v is not None]
+        if extra:
+            raise TypeError(f"register_autograd_function: {', '.join(extra)} go with op=..., not with {kind}")
+        if kind == "rule" and not callable(rule):
+            raise TypeError(f"register_autograd_function: rule must be callable, got {rule!r}")
+        return Registration(kind, rule=rule)
+    if op not in _OPS:
+        raise ValueError(f"register_autograd_function: op must be one of {', '.join(_OPS)}; got {op!r}")
+    if axis is None:
+        raise TypeError("register_autograd_function: op=... needs axis= (a mesh axis name, a ProcessGroup, or a "
+                        "callable (args, kwargs) -> axis)")
+    src = check_type_value(src, "register_autograd_function: src")
+    dst = check_type_value(dst, "register_autograd_function: dst")
+    from .._local.transitions import allowed, find
+
+    table_src = src
+    if op in ("all_reduce", "reduce_scatter") and src.is_varying:
+        from .._core.types import P
+
+        table_src = P
+    if find(op, table_src, dst) is None:
+        shown = ", ".join(f"{s} -> {d}" for s, d in allowed(op))
+        raise ValueError(f"register_autograd_function: spmd.{op} has no src={src} -> dst={dst} (allowed: {shown})")
+    return Registration("op", op=op, axis=axis, src=src, dst=dst, reduce=reduce)
+
+
+# ---------------------------------------------------------------------------
+# applying a registered Function
+
+
+def _original_apply(cls: type, reg: Registration | None, args: tuple, kwargs: dict) -> Any:
+    fn = reg.original_apply if reg is not None and reg.original_apply is not None else _FUNCTION_BASE_APPLY
+    return fn(cls, *args, **kwargs)
+
+
+def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    reg = _REGISTRY.get(cls)
+    if reg is None or not STATE.checking or reg.kind == "transparent" or not _any_typed(args, kwargs):
+        # A subclass of a registered class is not registered: its forward meets the guard.
+        return _original_apply(cls, reg, args, kwargs)
+    if reg.kind == "op":
+        return _apply_as_op(cls, reg, args, kwargs)
+    if reg.kind == "rule":
+        out_types = _rule_types(cls, reg, args)
+    else:
+        out_types = _local_types(cls, args, kwargs)
+    _refuse_global(cls)
+    out = _original_apply(cls, reg, _plain(args), {k: _plain(v) for k, v in kwargs.items()})
+    return _type_outputs(cls, out, out_types)
+
+
+def _any_typed(args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    return any(_typed(a) for a in args) or any(_typed(v) for v in kwargs.values())
+
+
+def _typed(a: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return getattr(a, "_spmd_types", None) is not None
+    if type(a) in (list, tuple):
+        return any(_typed(x) for x in a)
+    return False
+
+
+def _plain(a: Any) -> Any:
+    """A plain alias of a typed tensor (autograd still reaches the original); lists and tuples element-wise."""
+    if isinstance(a, torch.Tensor):
+        return unwrap(a) if getattr(a, "_spmd_types", None) is not None else a
+    if type(a) in (list, tuple):
+        return type(a)(_plain(x) for x in a)
+    return a
+
+
+def _apply_as_op(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
+    index = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+    if index is None:
+        raise TypeError(f"{cls.__qualname__} is registered as spmd.{reg.op} on its first tensor argument, "
+                        "but it got no tensor argument")
+    others = [i for i, a in enumerate(args) if i != index and _typed(a)] + [k for k, v in kwargs.items() if _typed(v)]
+    if others:
+        raise SpmdTypeError(
+            Rejection(
+                f"{cls.__qualname__} is registered as spmd.{reg.op} on its first tensor argument, but another "
+                "argument is typed too, and the registration does not say what happens to it.",
+                [("function", cls.__qualname__), ("typed arguments", ", ".join(str(o) for o in [index] + others))],
+                [f"spmd.register_autograd_function({cls.__qualname__}, rule=...)"],
+            ),
+            user_source_line(),
+        )
+    axis = reg.axis(args, kwargs) if _is_axis_callable(reg.axis) else reg.axis
+    x = args[index]
+    begun = begin(reg.op, x, axis, reg.src, reg.dst, reg.reduce)
+    plain_args = args[:index] + (unwrap(x),) + args[index + 1:]
+    out = _original_apply(cls, reg, plain_args, kwargs)
+    if isinstance(out, torch.Tensor):
+        return type_result(begun, x, out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(type_result(begun, x, o) if isinstance(o, torch.Tensor) else o for o in out)
+    return out
+
+
+def _is_axis_callable(axis: Any) -> bool:
+    import torch.distributed as dist
+
+    return callable(axis) and not isinstance(axis, (str, dist.ProcessGroup))
+
+
+def _arg_types(args: tuple) -> list[Any]:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(getattr(a, "_spmd_types", None))
+        else:
+            out.append(a)
+    return out
+
+
+def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
+    assert reg.rule is not None
+    result = reg.rule(*_arg_types(args))
+    if isinstance(result, Rejection):
+        raise SpmdTypeError(result, user_source_line())
+    if isinstance(result, (tuple, list)):
+        return tuple(_as_types(cls, r) for r in result)
+    return _as_types(cls, result)
+
+
+def _as_types(cls: type, value: Any) -> TypeMap | None:
+    if value is None or isinstance(value, TypeMap):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"the rule registered for {cls.__qualname__} must return {{axis: type}} dicts, got {value!r}")
+    mesh = current_mesh()
+    if mesh is not None:
+        missing = [a for a in mesh.axis_names if a not in value]
+        if missing:
+            raise ValueError(f"the rule registered for {cls.__qualname__} gave no type for axis "
+                             f"{', '.join(repr(a) for a in missing)}")
+    return TypeMap.of({a: check_type_value(t, f"the rule for {cls.__qualname__}: axis {a!r}")
+                       for a, t in value.items()})
+
+
+def _local_types(cls: type, args: tuple, kwargs: dict) -> TypeMap | None:
+    row = Row((), RuleKind.NONLINEAR, f"{cls.__qualname__} is registered local=True: the standard rule")
+    entry = OpEntry(cls.apply, f"{cls.__name__}.apply", row, False)
+    result = infer(entry, args, kwargs, STATE.strict)
+    if isinstance(result, Rejection):
+        raise op_error(result, "apply", ())
+    return result
+
+
+def _refuse_global(cls: type) -> None:
+    if not STATE.global_mode:
+        return
+    mesh = current_mesh()
+    global_axes = mesh.global_axes(STATE.local_axes) if mesh is not None else frozenset()
+    if global_axes:
+        raise NotImplementedError(
+            f"{cls.__qualname__} (registered with local=True or rule=) has no partition-spec rule for global SPMD "
+            f"on axes {sorted(global_axes)}: call it inside spmd.local_map, or typecheck those axes locally"
+        )
+
+
+def _type_outputs(cls: type, out: Any, out_types: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        if isinstance(out_types, tuple):
+            raise TypeError(f"the rule for {cls.__qualname__} gave {len(out_types)} types for one output")
+        return _wrap(out, out_types) if out_types is not None else out
+    if isinstance(out, (tuple, list)):
+        tensors = [i for i, o in enumerate(out) if isinstance(o, torch.Tensor)]
+        per = out_types if isinstance(out_types, tuple) else tuple(out_types for _ in tensors)
+        if len(per) != len(tensors):
+            raise TypeError(f"the rule for {cls.__qualname__} gave {len(per)} types for {len(tensors)} outputs")
+        typed = dict(zip(tensors, per))
+        return type(out)(_wrap(o, typed[i]) if typed.get(i) is not None else o for i, o in enumerate(out))
+    return out

@@ -1,0 +1,452 @@
+"""Turning checking on, giving tensors types, and asserting types at boundaries.
+
+Outside :func:`typecheck` every function here returns its input untouched, so
+typed code runs as plain PyTorch (erasure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, Union
+
+import torch
+
+from .._core.dtensor_hook import interop, is_dtensor
+from .._core.errors import Rejection, op_error
+from .._core.mesh import Axis, current_mesh, resolve_axis
+from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
+from .._core.state import STATE
+from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
+from .._guards.optim_checks import name_parameters
+from .._guards.transforms import compiling, refuse_compile
+from .._local.transitions import route_call
+from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
+from .tensor import make_typed, type_in_place
+
+__all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking"]
+
+T = TypeVar("T")
+TypeSpec = Mapping[Axis, SpmdType]
+
+
+LocalSpec = Union[bool, Iterable[str], Mapping[str, bool]]
+
+
+def _local_axes(local: LocalSpec) -> tuple[bool, frozenset]:
+    """(global mode on?, the axes that stay local) from typecheck's ``local=`` argument, checked."""
+    if local is True:
+        return False, frozenset()
+    if local is False:
+        return True, frozenset()
+    if isinstance(local, Mapping):
+        for a, is_local in local.items():
+            if not isinstance(is_local, bool):
+                raise TypeError(f"typecheck(local={{...}}) maps axis names to True or False, got {a!r}: {is_local!r}")
+        names, axes = list(local), frozenset(a for a, is_local in local.items() if is_local)
+    elif isinstance(local, str):
+        names, axes = [local], frozenset([local])
+    elif isinstance(local, Iterable) and not isinstance(local, (bytes, torch.Tensor)):
+        names = list(local)
+        axes = None
+    else:
+        raise TypeError(
+            "typecheck(local=...) takes True, False, an axis name, a collection of axis names or {axis: bool}; "
+            f"got {local!r}"
+        )
+    mesh = current_mesh()
+    for a in names:
+        if not isinstance(a, str):
+            raise TypeError(f"typecheck(local=...): axis names are str, got {a!r}")
+        if mesh is not None and a not in mesh.groups:
+            known = ", ".join(repr(n) for n in mesh.axis_names)
+            raise ValueError(f"typecheck(local=...): unknown mesh axis {a!r}; the current mesh has axes {known}")
+    return True, frozenset(names) if axes is None else axes
+
+
+@contextlib.contextmanager
+def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None]:
+    """Check every op on typed tensors inside the block.
+
+    ``local=True`` (the default) checks local SPMD on every axis; ``local=False``
+    checks global SPMD (partition specs, shard propagation) on every axis; a
+    collection of axis names (or ``{axis: is_local}``) keeps those axes local
+    and checks the others globally. ``strict=True`` also rejects a plain
+    (untyped) tensor meeting a typed one. Checking is per thread.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            y = spmd.assert_type(x, {"tp": spmd.R}) * 2
+        with spmd.set_current_mesh(mesh), spmd.typecheck(local=["ep"]):
+            ...  # global SPMD on every axis but "ep"
+    """
+    if not isinstance(strict, bool):
+        raise TypeError(f"typecheck(strict=...) takes True or False, got {strict!r}")
+    global_mode, local_axes = _local_axes(local)  # a bad argument raises before any state changes
+    saved = (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes)
+    STATE.checking, STATE.strict = True, strict
+    STATE.global_mode, STATE.local_axes = global_mode, local_axes
+    try:
+        yield
+    finally:
+        STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
+
+
+def is_checking() -> bool:
+    """True inside :func:`typecheck` on this thread."""
+    return STATE.checking
+
+
+def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
+    if not isinstance(types, Mapping):
+        raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
+    if current_mesh() is None:
+        raise RuntimeError(f"{what} needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`")
+    out: dict[str, SpmdType] = {}
+    for a, t in types.items():
+        name = resolve_axis(a)
+        if name in out:
+            raise ValueError(
+                f"{what}: axis '{name}' appears twice in the types (as {_axis_text(name, types)})"
+            )
+        out[name] = check_type_value(t, f"the type for axis {a!r}")
+    return out
+
+
+def _axis_text(name: str, types: TypeSpec) -> str:
+    """How a type dict spells axis ``name``: ``'tp' and as a ProcessGroup``."""
+    spelled = [repr(a) if isinstance(a, str) else f"a {type(a).__name__}" for a in types if _names(a, name)]
+    return " and as ".join(spelled)
+
+
+def _names(a: Any, name: str) -> bool:
+    try:
+        return resolve_axis(a) == name
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[TypeMap, Spec | None]:
+    """Types and partition spec from a type dict (S(d) entries) and an optional partition spec.
+
+    Axes the dict leaves out are V if the spec places them; otherwise V on axes
+    checked locally and R on axes checked globally (an unmentioned axis is
+    replicated, as in JAX).
+    """
+    given = _resolve_types(types, "assert_type")
+    mesh = current_mesh()
+    ndim = t.dim()
+    spec = spec_from_shards(given, ndim, mesh.axis_names)
+    if partition_spec is not None:
+        user = normalize(partition_spec, ndim)
+        check_unique(user, partition_spec)
+        for entry in user:
+            for axis in entry:
+                resolve_axis(axis)
+        for d, (a, b) in enumerate(zip(spec, user)):
+            if a and b and a != b:
+                raise ValueError(f"dim {d}: the types say S({d}) on {a}, the partition spec says {b}")
+        for d, entry in enumerate(user):
+            for axis in entry:
+                dim = getattr(given.get(axis), "dim", None)
+                if dim is not None and dim % ndim != d:
+                    raise ValueError(
+                        f"axis '{axis}': the types say S({dim}), but the partition spec places it on dim {d}"
+                    )
+        spec = tuple(b or a for a, b in zip(spec, user))
+    placed = axes_of(spec)
+    global_axes = mesh.global_axes(STATE.local_axes) if STATE.global_mode else frozenset()
+    full: dict[str, SpmdType] = {}
+    for axis in mesh.axis_names:
+        t_axis = given.get(axis)
+        if t_axis is None:
+            t_axis = V if (axis in placed or axis not in global_axes) else R
+        elif axis in placed and not t_axis.is_varying:
+            raise ValueError(f"axis '{axis}' shards a dim in the partition spec but its type is {t_axis}, not V")
+        full[axis] = t_axis
+    return TypeMap.of(full), (spec if (placed or global_axes) else None)
+
+
+def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
+    """Give ``t`` its SPMD types, or check the types it has.
+
+    Inside :func:`typecheck`: a plain tensor comes back as an LTensor with
+    ``types`` (axes of the current mesh that ``types`` leaves out are V); a
+    typed tensor is checked and comes back unchanged; an ``nn.Parameter`` (or a
+    leaf that requires grad) is typed in place and stays the same object; an
+    ``nn.Module`` has every parameter and buffer typed. Outside
+    :func:`typecheck` it returns ``t`` untouched.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            w = spmd.assert_type(torch.randn(16, 16), {"dp": spmd.I, "tp": spmd.I})
+            spmd.assert_type(w, {"tp": spmd.I})  # passes
+    """
+    if not STATE.checking:
+        return t
+    if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
+        refuse_compile()
+    if isinstance(t, torch.nn.Module):
+        if partition_spec is not None:
+            raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
+        for member in list(t.parameters()) + list(t.buffers()):
+            if getattr(member, "_spmd_types", None) is not None:
+                _refine(member, types, None)
+            else:
+                _type_or_check(member, *_placed(member, types, None), in_place=True)
+        name_parameters(t)  # error messages about a gradient can then name its parameter
+        return t
+    if is_dtensor(t):
+        return interop().assert_dtensor(t, types, partition_spec)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")
+    if getattr(t, "_spmd_types", None) is not None:
+        return _refine(t, types, partition_spec)  # type: ignore[return-value]
+    want, spec = _placed(t, types, partition_spec)
+    return _type_or_check(t, want, spec)  # type: ignore[return-value]
+
+
+def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
+    """Check typed ``t`` on the axes the assertion names (types or partition spec); leave the others alone.
+
+    Asserting ``S(d)`` on a V axis refines it: the tensor's type becomes
+    ``S(d)`` (same object; in global SPMD the partition spec gains the axis).
+    """
+    full, spec = _placed(t, types, partition_spec)
+    named = set(_resolve_types(types, "assert_type")) | (axes_of(spec) if spec is not None else set())
+    have: TypeMap = t._spmd_types  # type: ignore[attr-defined]
+    shown = have
+    for axis in named:
+        shown = shown.replace(axis, full[axis])
+    _check(have, shown, named)
+    refined = have
+    for axis in named:
+        w = full[axis]
+        if w.is_varying and w is not V and have.get(axis) is V:
+            refined = refined.replace(axis, w)
+    if refined is not have:
+        t._spmd_types = refined  # type: ignore[attr-defined]
+        if STATE.global_mode and spec is not None:
+            _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
+    if STATE.global_mode and spec is not None:
+        _check_spec(t, spec, named)
+    return t
+
+
+def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:
+    """Give ``t``'s partition spec the newly refined ``axes`` where ``spec`` places them."""
+    have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
+    placed = axes_of(have)
+    t._spmd_spec = tuple(  # type: ignore[attr-defined]
+        tuple(h) + tuple(a for a in e if a in axes and a not in placed) for h, e in zip(have, spec)
+    )
+
+
+def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None, in_place: bool = False) -> torch.Tensor:
+    have = getattr(t, "_spmd_types", None)
+    if have is None:
+        if STATE.global_mode:
+            _check_layout(want, spec if spec is not None else tuple(() for _ in range(t.dim())))
+        if in_place or isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+            out = type_in_place(t, want)
+        else:
+            out = make_typed(t, want)
+        if spec is not None:
+            out._spmd_spec = spec
+        return out
+    _check(have, want)
+    if STATE.global_mode and spec is not None:
+        _check_spec(t, spec)
+    return t
+
+
+def _check_layout(types: TypeMap, spec: Spec) -> None:
+    mesh = current_mesh()
+    why = check_placement(types, spec, mesh.global_axes(STATE.local_axes))
+    if why:
+        raise op_error(
+            Rejection(f"Global SPMD: {why}.", [("types", types.format()), ("partition spec", str(spec))],
+                      ["spmd.assert_type(x, {...}, partition_spec=spmd.PartitionSpec(...))"]),
+            "assert_type", ("x", "types"))
+
+
+def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
+    mesh = current_mesh()
+    global_axes = mesh.global_axes(STATE.local_axes)
+    if named is not None:  # a refining assert looks at the axes it names only
+        global_axes = global_axes & named
+    have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
+    have_g = tuple(tuple(a for a in e if a in global_axes) for e in have)
+    want_g = tuple(tuple(a for a in e if a in global_axes) for e in want)
+    if have_g != want_g:
+        raise op_error(
+            Rejection(
+                "Type assertion failed: the tensor's partition spec differs from the asserted one.",
+                [("have", repr(to_partition_spec(have_g))), ("want", repr(to_partition_spec(want_g)))],
+                [f"spmd.redistribute(x, {to_partition_spec(have_g)!r}, {to_partition_spec(want_g)!r})"],
+            ),
+            "assert_type",
+            ("x", "types"),
+        )
+
+
+def get_partition_spec(t: Any) -> PartitionSpec | None:
+    """A typed tensor's partition spec (global SPMD), or None if it has none.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
+            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
+            spmd.get_partition_spec(x)   # PartitionSpec('tp', None)
+    """
+    spec = getattr(t, "_spmd_spec", None) if isinstance(t, torch.Tensor) else None
+    return to_partition_spec(spec) if spec is not None else None
+
+
+def _check(have: TypeMap, want: TypeMap, named: set | None = None) -> None:
+    for axis, w in want.items:
+        if named is not None and axis not in named:
+            continue
+        h = have.get(axis)
+        if compatible(h, w):
+            continue
+        fix = route_call("x", axis, h, w) if h is not None else None
+        raise op_error(
+            Rejection(
+                f"Type assertion failed: the tensor is {h} on axis '{axis}', and the assertion says {w}.",
+                [("have", have.format()), ("want", want.format()), ("axis", f"'{axis}': {h} is not {w}")],
+                [fix] if fix else [],
+            ),
+            "assert_type",
+            ("x", "types"),
+        )
+
+
+def get_type(t: Any) -> dict[str, SpmdType] | None:
+    """The tensor's ``{axis: type}``, or None if it is untyped.
+
+    Example::
+
+        spmd.get_type(x)   # {'dp': V, 'tp': R}
+    """
+    types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
+    return types.as_dict() if types is not None else None
+
+
+# ---------------------------------------------------------------------------
+# module boundaries
+
+OptTypes = Union[TypeSpec, None]
+
+
+def _assert_all(values: Any, specs: Any, where: str) -> Any:
+    if specs is None:
+        return values
+    if isinstance(specs, Mapping):
+        return assert_type(values, specs)
+    if not isinstance(values, (tuple, list)) or len(values) != len(specs):
+        raise TypeError(f"{where}: {len(specs)} type specs for {type(values).__name__} {values!r:.60}")
+    return type(values)(v if s is None else assert_type(v, s) for v, s in zip(values, specs))
+
+
+def typed_boundary(
+    in_types: Sequence[OptTypes] | None = None, out_types: OptTypes | Sequence[OptTypes] = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator asserting types on a function's positional tensor inputs and on its outputs.
+
+    ``in_types`` has one entry per positional argument (``None`` skips one);
+    ``out_types`` is one spec, or one per output. Gradients follow by duality:
+    an input asserted R gets a P gradient, and so on. Does nothing outside
+    :func:`typecheck`.
+
+    Example::
+
+        class Mlp(nn.Module):
+            @spmd.typed_boundary(in_types=[{"tp": spmd.R}], out_types={"tp": spmd.P})
+            def forward(self, x): ...
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not STATE.checking:
+                return fn(*args, **kwargs)
+            if in_types is not None:
+                offset = len(args) - len(in_types)
+                head, tail = args[:offset], args[offset:]
+                args = tuple(head) + tuple(_assert_all(tuple(tail), list(in_types), fn.__qualname__))
+            return _assert_all(fn(*args, **kwargs), out_types, fn.__qualname__)
+
+        return wrapper
+
+    return decorate
+
+
+def attach_boundary(
+    module: torch.nn.Module, in_types: Sequence[OptTypes] | None = None, out_types: OptTypes | Sequence[OptTypes] = None
+) -> torch.nn.Module:
+    """Assert types on ``module``'s forward inputs and outputs with forward hooks.
+
+    Example::
+
+        spmd.attach_boundary(block, in_types=[{"tp": spmd.R}], out_types={"tp": spmd.R})
+    """
+
+    def pre(mod: torch.nn.Module, args: tuple) -> tuple | None:
+        if not STATE.checking or in_types is None:
+            return None
+        return tuple(_assert_all(tuple(args), list(in_types), type(mod).__name__))
+
+    def post(mod: torch.nn.Module, args: tuple, out: Any) -> Any:
+        if not STATE.checking:
+            return None
+        return _assert_all(out, out_types, type(mod).__name__)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+    return module
+
+
+# ---------------------------------------------------------------------------
+# outputs of a region with declared types (local_map, no_typecheck)
+
+
+def type_declared_outputs(who: str, name: str, out: Any, out_types: Any) -> Any:
+    """Give a region's outputs their declared types: one type dict, or one (or None) per output.
+
+    ``who`` is how messages name the region (``local_map``, ``spmd.no_typecheck``).
+    A typed value that passed through the body must already be what is declared.
+    """
+    if isinstance(out_types, Mapping):
+        return _type_declared(who, name, 0, out, out_types)
+    if not isinstance(out, (tuple, list)) or len(out) != len(out_types):
+        raise TypeError(f"{who}({name}): {len(out_types)} out_types for the {type(out).__name__} it returned")
+    return type(out)(o if t is None else _type_declared(who, name, i, o, t) for i, (o, t) in enumerate(zip(out, out_types)))
+
+
+def _type_declared(who: str, name: str, index: int, out: Any, declared: Mapping) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{who}({name}): output {index} is a {type(out).__name__}, not a tensor")
+    want, spec = _placed(out, declared, None)
+    have: TypeMap | None = getattr(out, "_spmd_types", None)
+    if have is not None:
+        for axis, w in want.items:
+            h = have.get(axis)
+            if not compatible(h, w):
+                fix = route_call(f"output{index}", axis, h, w) if h is not None else None
+                raise op_error(
+                    Rejection(
+                        f"{who}: output {index} of {name} is {h} on axis '{axis}', and out_types declares {w}.",
+                        [("output", f"{index}: {have.format()}"), ("declared", want.format()),
+                         ("axis", f"'{axis}': {h} is not {w}")],
+                        [fix + " before returning"] if fix else [],
+                    ),
+                    who.removeprefix("spmd."),
+                    (),
+                )
+    typed = make_typed(out, want)
+    if spec is not None:
+        typed._spmd_spec = spec
+    return typed

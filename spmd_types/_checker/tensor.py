@@ -1,0 +1,538 @@
+"""LTensor: a torch.Tensor subclass that carries its SPMD types and asks the rules.
+
+The typed path of ``__torch_function__`` is kept short: build a cache key from
+the operands' interned type maps, look the result type up (inferring it on a
+miss), run the op with subclass dispatch disabled, and set the result's class
+and types in place. LTensor never knows about collectives.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
+from .._core.mesh import current_mesh
+from .._core.spec import format_shape, short_dtype
+from .._core.state import STATE
+from .._core.types import R, TypeMap, V
+from .._global.shard_rules import explain_failure, propagate
+from .._guards.function_guard import check_no_unregistered_function
+from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
+from .._guards.strict import check_typed_root, typed_root
+from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
+from .._local.op_registry import OpEntry, entry_for
+from .._local.rules import infer
+from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
+    _BACKWARD,
+    _PASSTHROUGH,
+    _SWAP_BACK,
+    _TYPED_CLASSES,
+    _UNCHECKED,
+    _run,
+    _run_swapped,
+    _swap_to_base,
+)
+
+__all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
+
+_DisableTF = torch._C.DisableTorchFunctionSubclass
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_tf_enabled = torch._C._is_torch_function_enabled
+_grad_enabled = torch.is_grad_enabled
+_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
+
+# Ops typed elsewhere: func -> handler(func, args, kwargs). _foreach.py registers the
+# multi-tensor (torch._foreach_*) and fused optimizer (torch._fused_*) kernels.
+HANDLERS: dict[Any, Any] = {}
+_PLAIN = object()
+_ZERO = object()
+_NUMBER = object()
+_NONE = object()
+_CACHES: tuple[dict, dict] = ({}, {})  # non-strict, strict
+_MISSING = object()
+_TRANSFORMED = object()  # a torch.func transform's wrapped tensor (see _vmap.py)
+_DIM = torch.Tensor.dim
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
+    """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
+    mesh = current_mesh()
+    spec = getattr(t, "_spmd_spec", None)
+    with _DisableTF():
+        local = tuple(t.shape)
+    sizes = mesh.sizes() if (mesh is not None and spec is not None) else {}
+    if spec is not None and any(a not in sizes for e in spec for a in e):
+        spec = None
+    order = mesh.axis_names if mesh is not None else ()
+    shape = format_shape(local, spec, sizes)
+    return f"{short_dtype(t.dtype)}[{shape}] " + (types.format(order) if types is not None else "untyped")
+
+
+class LTensor(torch.Tensor):
+    """A tensor with a local SPMD type per mesh axis.
+
+    Made by :func:`spmd_types.assert_type` inside :func:`spmd_types.typecheck`;
+    ordinary torch ops on it return LTensors typed by the rules table.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            x = spmd.assert_type(torch.randn(4, 16), {"dp": spmd.V, "tp": spmd.R})
+            print(x)   # f32[4,16] {dp: V, tp: R}
+    """
+
+    _spmd_types: TypeMap
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if not STATE.checking:
+            if func in _KEEP_UNCHECKED:
+                return _KEEP_UNCHECKED[func](func, args, kwargs)
+            if func in _UNCHECKED and compiling():  # dynamo reads a typed tensor's metadata
+                raise _compile_error(args[0])
+            return _run(func, args, kwargs)
+        if not _grad_enabled() and not _fwd_grad_enabled():  # how a custom Function's forward runs
+            check_no_unregistered_function()
+        if func in _UNCHECKED:
+            if func is _DIM and vmap_setup_caller():  # torch.vmap is batching a typed tensor
+                raise transform_error(format_tensor_type(args[0], args[0]._spmd_types))
+            if compiling():  # dynamo reads a typed tensor's metadata
+                raise _compile_error(args[0])
+            if func is _REGISTER_HOOK:
+                return _register_typed_hook(func, args, kwargs)
+            return _run(func, args, kwargs)
+        handler = HANDLERS.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        return _typed_call(func, args, kwargs)
+
+    __hash__ = torch.Tensor.__hash__
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return format_tensor_type(self, getattr(self, "_spmd_types", None))
+
+    def __deepcopy__(self, memo: dict) -> LTensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with _DisableTF():
+            data = self.detach().clone(memory_format=torch.preserve_format)
+        state = {k: v for k, v in self.__dict__.items() if k != "_spmd_grad_hooked"}
+        if isinstance(self, torch.nn.Parameter):
+            data = type_in_place(torch.nn.Parameter(data, self.requires_grad), self._spmd_types)
+        else:
+            if self.requires_grad and self.is_leaf:
+                data.requires_grad_(True)
+            data.__class__ = _typed_class_for(data)
+        data.__dict__.update(copy.deepcopy(state, memo))
+        memo[id(self)] = data
+        return data
+
+
+def _typed_call(func, args, kwargs):
+    """Check ``func(*args, **kwargs)`` against the rules, run it, and type its result."""
+    key = [func]
+    for a in args:
+        key.append(_marker(a))
+    if kwargs:
+        for k, v in kwargs.items():
+            key.append(k)
+            key.append(_marker(v))
+    key = tuple(key)
+    cache = _CACHES[STATE.strict]
+    out_types = cache.get(key, _MISSING)
+    if out_types is _MISSING:
+        STATE.gradient_free = False
+        out_types = _infer_or_raise(func, args, kwargs)
+        if not STATE.gradient_free:  # a gradient-free acceptance depends on more than types: not cached
+            cache[key] = out_types
+    if STATE.global_mode and out_types is not None:
+        try:
+            out = _run(func, args, kwargs)
+        except Exception:
+            _explain_failure(func, args, kwargs, out_types)
+            raise
+        return _global_result(func, args, kwargs, out, out_types)
+    out = _run(func, args, kwargs)
+    if out_types is None:
+        return out
+    return _wrap(out, out_types)
+
+
+def _register_typed_hook(func, args, kwargs):
+    """``t.register_hook(hook)``: the hook gets the gradient typed (t's backward type), so its ops are checked."""
+    t, hook = args[0], (args[1] if len(args) > 1 else kwargs["hook"])
+    back = t._spmd_types.backward()
+
+    def typed_hook(grad):
+        if STATE.checking and type(grad) not in _TYPED_CLASSES:
+            grad = make_typed(grad, back)
+        return hook(grad)
+
+    return _run(func, (t, typed_hook), {})
+
+
+def _compile_error(t: torch.Tensor) -> SpmdTypeError:
+    with _DisableTF():
+        return compile_error(format_tensor_type(t, getattr(t, "_spmd_types", None)))
+
+
+def _explain_failure(func, args, kwargs, out_types: TypeMap) -> None:
+    mesh = current_mesh()
+    if mesh is not None:
+        with _DisableTF():
+            explain_failure(func, args, kwargs, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
+                            STATE.out_partial)
+
+
+def _global_result(func, args, kwargs, out, out_types: TypeMap):
+    """Propagate partition specs (global SPMD) and type the result."""
+    mesh = current_mesh()
+    if mesh is None:
+        return _wrap(out, out_types)
+    with _DisableTF():
+        spec = propagate(func, args, kwargs, out, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
+                         STATE.out_partial)
+    dest = out if isinstance(out, torch.Tensor) and type(out) in _TYPED_CLASSES else None
+    if dest is not None and spec is not None and getattr(dest, "_spmd_spec", spec) != spec:
+        raise SpmdTypeError(
+            Rejection(
+                "Global SPMD: an in-place op cannot change its tensor's layout.",
+                [("op", entry_for(func).display), ("before", str(dest._spmd_spec)), ("after", str(spec))],
+                ["the out-of-place form, assigning the result"],
+            ),
+            user_source_line(),
+        )
+    wrapped = _wrap(out, out_types)
+    if spec is not None:
+        _set_spec(wrapped, spec)
+    return wrapped
+
+
+def _set_spec(out: Any, spec) -> None:
+    if isinstance(out, torch.Tensor):
+        out._spmd_spec = spec
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                o._spmd_spec = spec
+
+
+# torch turns a TypeError raised inside a binary operator (``a + b``) into
+# NotImplemented, which would hide an SpmdTypeError behind Python's generic
+# "unsupported operand" message. LTensor's operators therefore check first,
+# in Python, and only then call torch's operator.
+_BINARY_DUNDERS = (
+    "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__", "__isub__", "__mul__", "__rmul__",
+    "__imul__", "__truediv__", "__rtruediv__", "__itruediv__", "__matmul__", "__rmatmul__",
+    "__pow__", "__rpow__", "__ipow__", "__floordiv__", "__rfloordiv__", "__ifloordiv__", "__mod__",
+    "__rmod__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__rand__",
+    "__iand__", "__or__", "__ror__", "__ior__", "__xor__", "__rxor__", "__ixor__",
+)
+
+
+def _make_operator(name: str):
+    base = getattr(torch.Tensor, name)
+
+    def operator(self, other):
+        # Inside an op being run (subclass dispatch off), behave as torch's own operator.
+        if not STATE.checking or not _tf_enabled():
+            with _DisableTF():
+                return base(self, other)
+        if not _grad_enabled() and not _fwd_grad_enabled():
+            check_no_unregistered_function()
+        return _typed_call(base, (self, other), {})
+
+    operator.__name__ = operator.__qualname__ = name
+    return operator
+
+
+for _name in _BINARY_DUNDERS:
+    setattr(LTensor, _name, _make_operator(_name))
+
+
+class TypedParameter(LTensor, torch.nn.Parameter):
+    """An ``nn.Parameter`` typed in place by ``assert_type``: still the module's parameter."""
+
+    def __reduce_ex__(self, proto: int):
+        with _DisableTF():
+            data = self.detach()
+        return (_rebuild_typed_parameter, (data, self.requires_grad, self._spmd_types))
+
+
+def _rebuild_typed_parameter(data: torch.Tensor, requires_grad: bool, types: TypeMap) -> TypedParameter:
+    p = torch.nn.Parameter(data, requires_grad)
+    type_in_place(p, types)
+    return p  # type: ignore[return-value]
+
+
+_LOCAL_CLASSES: dict[type, type] = {}
+
+
+def _local_tensor_class() -> type | None:
+    """``LocalLTensor(LTensor, LocalTensor)``, made on first use (only tests need it)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except ImportError:  # pragma: no cover - torch without the simulator
+        return None
+    if LocalTensor not in _LOCAL_CLASSES:
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            # Autograd saves the typed objects themselves, so backward formulas reach the
+            # simulator with them: hand it its own class while it runs.
+            swapped = _swap_to_base(args, kwargs or {})
+            try:
+                types = tuple(LocalTensor if t is cls else t for t in types)
+                return LocalTensor.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                for x, tp in swapped:
+                    x.__class__ = tp
+
+        local_cls = type("LocalLTensor", (LTensor, LocalTensor),
+                         {"__module__": __name__, "__torch_dispatch__": __torch_dispatch__})
+        _LOCAL_CLASSES[LocalTensor] = local_cls
+        _SWAP_BACK[local_cls] = LocalTensor
+    return _LOCAL_CLASSES[LocalTensor]
+
+
+_SWAP_BACK[TypedParameter] = torch.nn.Parameter
+_TYPED_CLASSES.update({LTensor, TypedParameter})
+
+
+def _typed_class_for(t: torch.Tensor) -> type:
+    tp = type(t)
+    if tp is torch.Tensor:
+        return LTensor
+    if tp is torch.nn.Parameter:
+        return TypedParameter
+    if tp in _TYPED_CLASSES or tp in _SWAP_BACK:
+        return tp
+    local_cls = _local_tensor_class()
+    if local_cls is not None and tp in _LOCAL_CLASSES:
+        _TYPED_CLASSES.add(local_cls)
+        return local_cls
+    raise TypeError(
+        f"spmd_types cannot type a tensor of class {tp.__name__}; pass a plain torch.Tensor, "
+        "an nn.Parameter or a LocalTensor"
+    )
+
+
+def _marker(a: Any) -> Any:
+    tp = type(a)
+    if tp in _TYPED_CLASSES:
+        return a._spmd_types
+    if tp is int or tp is float:
+        return _ZERO if a == 0 else _NUMBER
+    if a is None:
+        return _NONE
+    if isinstance(a, torch.Tensor):
+        found = getattr(a, "_spmd_types", None)
+        if found is not None:
+            return found
+        return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
+    if tp is list or tp is tuple:
+        return tuple(_marker(x) for x in a)
+    return None
+
+
+def _wrap(out: Any, types: TypeMap) -> Any:
+    tp = type(out)
+    if tp is torch.Tensor:
+        out.__class__ = LTensor
+        out._spmd_types = types
+        return out
+    if tp is list or tp is tuple:
+        return tp(_wrap(o, types) for o in out)
+    if isinstance(out, torch.Tensor):
+        if tp in _TYPED_CLASSES:
+            return out
+        out.__class__ = _typed_class_for(out)
+        out._spmd_types = types
+        return out
+    if isinstance(out, tuple):  # torch.return_types structseqs
+        return tp([_wrap(o, types) for o in out])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the slow path: inference on a cache miss
+
+
+# ---------------------------------------------------------------------------
+# outside typecheck: a checkpoint keeps its types, and loading one checks them
+
+
+def _keeping_type(func, args, kwargs):
+    """``detach()`` and ``to()`` outside typecheck keep the type: ``state_dict()`` is made of detached
+    tensors, and ``optimizer.load_state_dict`` moves its state with ``to()``."""
+    out = _run(func, args, kwargs)
+    types = getattr(args[0], "_spmd_types", None) if args else None
+    if types is None or not isinstance(out, torch.Tensor) or type(out) in _TYPED_CLASSES:
+        return out
+    spec = getattr(args[0], "_spmd_spec", None)
+    out = _wrap(out, types)
+    if spec is not None:
+        out._spmd_spec = spec
+    return out
+
+
+def _copy_checking_type(func, args, kwargs):
+    """``dest.copy_(src)`` outside typecheck (``load_state_dict``) refuses a typed ``src`` of another type."""
+    if len(args) >= 2:
+        check_loaded_type("the value copied in (Tensor.copy_)", getattr(args[1], "_spmd_types", None),
+                          getattr(args[0], "_spmd_types", None))
+    return _run(func, args, kwargs)
+
+
+def check_loaded_type(what: str, loaded: TypeMap | None, live: TypeMap | None) -> None:
+    """Raise if ``loaded`` (a checkpoint value's types) differs from ``live`` (the tensor it goes into).
+
+    Either side untyped passes: a plain checkpoint carries no types to check.
+    V and S(d) match each other, as in ``assert_type``.
+    """
+    if loaded is None or live is None or loaded is live:
+        return
+    for axis in dict.fromkeys(live.axes() + loaded.axes()):
+        have, want = loaded.get(axis), live.get(axis)
+        if have is want or (have is not None and want is not None and have.is_varying and want.is_varying
+                            and (have is V or want is V)):
+            continue
+        raise SpmdTypeError(
+            Rejection(
+                f"Loading a value of another type: {what} is {have} on axis '{axis}', and the tensor it is "
+                f"loaded into is {want}.",
+                [("loaded", loaded.format()), ("into", live.format()), ("axis", f"'{axis}': {have} is not {want}")],
+                ["save and load with the same types (a checkpoint keeps the types it was saved with)"],
+            ),
+            None,
+        )
+
+
+_KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping_type,
+                   torch.Tensor.copy_: _copy_checking_type}
+
+
+def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
+    for a in (*args, *kwargs.values()):  # a transform's wrapped tensor meets a typed one (never cached)
+        if _marker(a) is _TRANSFORMED:
+            typed = next((x for x in (*args, *kwargs.values()) if type(x) in _TYPED_CLASSES), None)
+            raise transform_error(format_tensor_type(typed, typed._spmd_types) if typed is not None else "typed")
+    if func is _BACKWARD:
+        _check_backward_root(args, kwargs)
+        return None
+    entry = entry_for(func)
+    result = infer(entry, args, kwargs, STATE.strict)
+    if isinstance(result, Rejection):
+        found = unsynced_grad(args, kwargs)  # a forgotten gradient sync: name the parameter
+        if found is not None:
+            raise SpmdTypeError(unsynced_grad_rejection(entry.display, *found), user_source_line())
+        raise op_error(result, getattr(func, "__name__", ""), entry.row.params)
+    dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
+    if dest is not None and result is not None:
+        _check_destination(entry, dest, result)
+    return result
+
+
+def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
+    if not isinstance(dest, torch.Tensor):
+        return  # a list destination (foreach kernels) or a scalar
+    dest_types = getattr(dest, "_spmd_types", None)
+    what = "its first operand" if entry.inplace else "its out= tensor"
+    if dest_types is None:
+        raise SpmdTypeError(
+            Rejection(
+                f"{entry.display} writes a typed result into a plain (untyped) tensor, which would "
+                "lose the type.",
+                [("op", entry.display), ("destination", f"{what}: plain tensor"), ("result", result.format())],
+                [f"spmd.assert_type(destination, {result.code()})"],
+            ),
+            user_source_line(),
+        )
+    for axis, t in result.items:
+        have = dest_types.get(axis)
+        if have is None or have is t or (have.is_varying and t.is_varying):
+            continue
+        raise SpmdTypeError(
+            Rejection(
+                f"An in-place op cannot change its tensor's type: {entry.display} would change "
+                f"{what} from {have} to {t} on axis '{axis}'.",
+                [("op", entry.display), ("destination", dest_types.format()), ("result", result.format()),
+                 ("axis", f"'{axis}': {have} -> {t}")],
+                ["the out-of-place form, assigning the result (e.g. `x = x + y` for `x += y`)"],
+            ),
+            user_source_line(),
+        )
+
+
+
+def _backward_from_typed_root(func, args, kwargs):
+    """``loss.backward()`` / ``torch.autograd.backward`` from a typed root: marked for strict mode's check."""
+    with typed_root():
+        if func is _BACKWARD:
+            return _typed_call(func, args, kwargs)
+        return _run_swapped(func, args, kwargs) if _dispatch_depth() else _run(func, args, kwargs)
+
+
+HANDLERS[_BACKWARD] = HANDLERS[torch.autograd.backward] = _backward_from_typed_root
+
+
+def _check_backward_root(args, kwargs) -> None:
+    root = args[0]
+    types = getattr(root, "_spmd_types", None)
+    gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
+    if types is None or gradient is not None:
+        return
+    for axis, t in types.items:
+        if t is R:
+            raise SpmdTypeError(
+                Rejection(
+                    "backward() from a Replicate (R) value seeds a gradient of 1 on every rank; "
+                    "the gradient of R is a pending sum (P), so that seed means the mesh size, "
+                    "not 1, and every gradient would be scaled by it.",
+                    [("op", "Tensor.backward"), ("root", types.format()), ("axis", f"'{axis}': root is R")],
+                    [f"spmd.convert(loss, '{axis}', src=spmd.R, dst=spmd.I)",
+                     f"spmd.all_reduce(..., '{axis}', src=spmd.P, dst=spmd.I) where the loss is reduced"],
+                ),
+                user_source_line(),
+            )
+
+
+# ---------------------------------------------------------------------------
+# giving a tensor its type
+
+
+def make_typed(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
+    """An LTensor view of plain ``t`` with ``types`` (``t`` itself is left alone)."""
+    out = _run(torch.Tensor.view_as, (t, t), {})
+    out.__class__ = _typed_class_for(out)
+    out._spmd_types = types
+    return out
+
+
+def type_in_place(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
+    """Give leaf ``t`` (an nn.Parameter or a leaf that requires grad) its types, same object."""
+    if type(t) not in _TYPED_CLASSES:
+        t.__class__ = _typed_class_for(t)
+    t._spmd_types = types
+    if t.requires_grad and t.is_leaf and not getattr(t, "_spmd_grad_hooked", False):
+        t.register_post_accumulate_grad_hook(_type_grad)
+        t.__dict__["_spmd_grad_hooked"] = True
+    return t
+
+
+def _type_grad(param: torch.Tensor) -> None:
+    grad = param.grad
+    types = getattr(param, "_spmd_types", None)
+    if types is not None:
+        check_typed_root(param, types)  # strict mode: no backward from an untyped loss
+    if grad is None or types is None or getattr(grad, "_spmd_types", None) is types.backward():
+        return
+    if type(grad) not in _TYPED_CLASSES:
+        grad.__class__ = _typed_class_for(grad)
+    grad._spmd_types = types.backward()
+    mark_grad(grad, param)

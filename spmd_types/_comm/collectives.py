@@ -1,0 +1,379 @@
+"""Typed collectives: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``redistribute``.
+
+One section per collective, holding its typing, its forward and its
+backward; the backward is a call to the op's dual as ``_transitions`` names
+it, so ``all_gather(dst=R)`` backward is a reduce-scatter and
+``all_gather(dst=I)`` backward is a local slice. The denotations (CONTRACT
+section 1): R and I are the one value every rank holds, V the per-rank values
+stacked on a new dim 0, S(d) the shards concatenated on dim d, P their sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .._checker.tensor import _DisableTF
+from .._core.dtensor_hook import interop, is_dtensor
+from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._core.mesh import current_mesh
+from .._core.state import STATE
+from .._core.types import I, P, R, S, SpmdType, V, base_type, check_type_value
+from .._local.transitions import ROUTE
+from . import impl as impl
+from .call import (
+    Begun,
+    Call,
+    _global_spec,
+    begin,
+    check_input,
+    check_local_size,
+    check_sizes,
+    finish,
+    norm_dim,
+    resolve_comm,
+    type_result,
+    unwrap,
+)
+from .kernels import keeps_shards
+from .redistribute_spec import redistribute_spec
+from .reinterpret_convert import convert
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
+
+
+def _varying_dim(opname: str, what: str, t: SpmdType, given: int | None, given_name: str, ndim: int) -> int | None:
+    """The tensor dim a V/S(d) side lives on: S(d)'s d, else ``given`` (None: stacked on a new dim 0)."""
+    if t is V:
+        return None if given is None else norm_dim(opname, f"{given_name}={given}", given, ndim)
+    dim = norm_dim(opname, f"{what}={t}", t.dim, ndim)
+    if given is not None and norm_dim(opname, f"{given_name}={given}", given, ndim) != dim:
+        raise ValueError(f"{opname}: {what}={t} already says dim {t.dim}; {given_name}={given} disagrees with it")
+    return dim
+
+
+def _check_split(
+    opname: str, x: torch.Tensor, dim: int, n: int, sizes: Any, label: str, what: str, uneven_ok: bool = True
+) -> None:
+    length = x.shape[dim]
+    if sizes is not None:
+        if sum(sizes) != length:
+            raise ValueError(f"{opname}: sizes={list(sizes)} add up to {sum(sizes)}, but dim {dim} has size {length}")
+        return
+    if length % n:
+        raise ValueError(
+            f"{opname}: {what} splits tensor dim {dim} (size {length}) into {n} equal shards on axis {label}; "
+            f"{length} is not divisible by {n}."
+            + (" Pass sizes= (one per rank) for uneven shards." if uneven_ok else "")
+        )
+
+
+# ---------------------------------------------------------------------------
+# all_reduce: P -> R (backward all_reduce), P -> I (backward reinterpret(I, R): no comm);
+# op="max"|"min": V -> R, V -> I (not linear, so not in seed 003's table: EXTREME_ROWS below)
+
+
+def all_reduce(
+    x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum"
+) -> torch.Tensor:
+    """Sum (``op="avg"``: average) the pending sum over ``axis``; or take the max / min over ranks.
+
+    ``dst=R``: backward all-reduces the (pending) gradient. ``dst=I``: the
+    gradient is already summed, backward does nothing. ``src`` defaults to P
+    (V for ``op="max"|"min"``); ``src=V`` means ``reinterpret(V, P)`` first.
+    ``axis=("dp", "tp")`` reduces over both in one collective on the flattened
+    group::
+
+        +A
+        +B  =>  A + B + C
+        +C
+
+    ``op="max"`` / ``"min"`` takes a V (or S(d)) value to the elementwise
+    extreme over ranks, R or I (``EXTREME_ROWS``); its gradient goes to the
+    ranks holding the extreme, split evenly among ties as ``torch.amax`` does.
+
+    Example::
+
+        out = spmd.all_reduce(partial_out, "tp", src=spmd.P, dst=spmd.R)
+        row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
+    """
+    if is_dtensor(x):
+        src = (V if op in EXTREME_OPS else P) if src is None else src
+        return interop().typed_op(all_reduce, x, axis, src=src, dst=dst, op=op)
+    if op in EXTREME_OPS:
+        return _all_reduce_extreme(x, axis, V if src is None else src, dst, op)
+    if op not in ("sum", "avg"):
+        raise ValueError(f"spmd.all_reduce: op must be 'sum', 'avg', 'max' or 'min', got {op!r}")
+    begun = begin("all_reduce", x, axis, P if src is None else src, dst, op)
+    return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op), x)
+
+
+class ExtremeRow(NamedTuple):
+    src: SpmdType
+    dst: SpmdType
+    backward_comm: str  # what the backward moves
+    meaning: str
+
+
+# all_reduce(op="max"|"min") as data. V stands for V or S(d). A P input is rejected: its value is
+# the sum over ranks, and the max of the summands is not a function of that sum.
+EXTREME_OPS = ("max", "min")
+EXTREME_ROWS: tuple[ExtremeRow, ...] = (
+    ExtremeRow(V, R, "all_reduce", "the extreme on every rank; the pending gradient and the tie count are summed "
+               "in one all-reduce, then go to the ranks holding the extreme"),
+    ExtremeRow(V, I, "all_reduce", "the extreme on every rank; the gradient is already summed, only the tie "
+               "count is all-reduced"),
+)
+
+
+def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str) -> torch.Tensor:
+    opname = "spmd.all_reduce"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
+    src = check_type_value(src, f"{opname}: src")
+    dst = check_type_value(dst, f"{opname}: dst")
+    comm = resolve_comm(opname, axis)
+    if not any(row.src is base_type(src) and row.dst is dst for row in EXTREME_ROWS):
+        _reject_extreme(opname, comm, src, dst, op)
+    if x.is_complex():
+        raise TypeError(f"{opname}: op={op!r} needs an ordered dtype, got {x.dtype}")
+    types = check_input(opname, x, comm, src, dst)
+    begun = Begun(opname, src, dst, comm, types)
+    if STATE.global_mode and types is not None:
+        _check_extreme_global(begun, x, op)  # before any communication
+    plain = unwrap(x)
+    call = Call("all_reduce", src, dst, comm, reduce=op)
+    if plain.requires_grad and torch.is_grad_enabled():
+        out = _AllReduceExtreme.apply(plain, call)
+    else:
+        out = impl.all_reduce(plain, comm, op)
+    return type_result(begun, x, out)
+
+
+def _reject_extreme(opname: str, comm: Any, src: SpmdType, dst: SpmdType, op: str) -> None:
+    if base_type(src) is P:
+        why = (f"{opname}(op={op!r}) cannot take src=P: a pending sum's value is the sum over ranks, and the "
+               f"{op} of the summands is not a function of that sum.")
+        fixes = [f"spmd.all_reduce(x, {comm.label}, src=spmd.P, dst={dst.code()}) to finish the sum first",
+                 "type x V where it is made, if each rank's own value is meant"]
+    else:
+        why = f"{opname}(op={op!r}) cannot take src={src} to dst={dst}: it takes a V (or S(d)) value to R or I."
+        fixes = []
+    shown = ", ".join(f"{row.src} -> {row.dst}" for row in EXTREME_ROWS)
+    call = f"{opname}(x, {comm.label}, src={src.code()}, dst={dst.code()}, op={op!r})"
+    raise SpmdTypeError(Rejection(why, [("op", call), ("allowed", shown)], fixes), user_source_line())
+
+
+def _check_extreme_global(begun: Begun, x: torch.Tensor, op: str) -> None:
+    mesh = current_mesh()
+    global_axes = mesh.global_axes(STATE.local_axes) if mesh is not None else frozenset()
+    names = [n for n in begun.comm.names if n in global_axes]
+    if names and begun.src is V:
+        def text(src: SpmdType) -> str:
+            return f"{begun.opname}(x, {begun.comm.label}, src={src.code()}, dst={begun.dst.code()}, op={op!r})"
+
+        raise SpmdTypeError(
+            Rejection(
+                f"{begun.opname}(op={op!r}) with src=V has no global meaning: say which dim with S(d), or run it "
+                "in local SPMD (spmd.local_map).",
+                [("op", text(V)), ("global axes", ", ".join(names))],
+                [text(S(0))],
+            ),
+            user_source_line(),
+        )
+    with _DisableTF():
+        ndim = x.dim()
+    _global_spec(begun, x, ndim)  # the layout's own rejections
+
+
+class _AllReduceExtreme(torch.autograd.Function):
+    """Forward: all-reduce max/min. Backward: the gradient to the ranks holding the extreme, ties split evenly."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+        out = impl.all_reduce(x, call.comm, call.reduce)
+        ctx.call = call
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, out = ctx.saved_tensors
+        call = ctx.call
+        hit = (x == out).to(g.dtype)
+        if call.dst is R:  # the gradient of R is a pending sum: finish it together with the tie count
+            both = impl.all_reduce(torch.stack([g, hit]), call.comm, "sum")
+            g, count = both[0], both[1]
+        else:  # I: the gradient is already the sum
+            count = impl.all_reduce(hit, call.comm, "sum")
+        return hit * g / count, None
+
+
+# ---------------------------------------------------------------------------
+# all_gather: V -> R (backward reduce_scatter), V -> I (backward convert(I, V): a local slice)
+
+
+def all_gather(
+    x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = R, gather_dim: int | None = None,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Gather every rank's ``x``: stacked on a new dim 0 (``src=V``) or concatenated on d (``src=S(d)``).
+
+    ``gather_dim=`` concatenates a ``src=V`` input on that dim instead.
+    ``sizes=`` (one per rank) gathers uneven shards. ``dst=R`` backward is a
+    reduce-scatter; ``dst=I`` backward is a local slice (no communication)::
+
+        [A]
+        [B]  =>  [A, B, C]
+        [C]
+
+    Example::
+
+        full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R)
+    """
+    if is_dtensor(x):
+        return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes)
+    begun = begin("all_gather", x, axis, src, dst)
+    comm = begun.comm
+    dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
+    sizes = check_sizes(begun.opname, sizes, comm)
+    if sizes is not None and dim is None:
+        raise ValueError(f"{begun.opname}: sizes= needs a concat dim (src=S(d) or gather_dim=); V inputs stack")
+    if sizes is not None:
+        check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
+    return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes), x)
+
+
+# ---------------------------------------------------------------------------
+# reduce_scatter: P -> V (backward all_gather(V, R))
+
+
+def reduce_scatter(
+    x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = V, scatter_dim: int | None = None,
+    op: str = "sum", sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Sum (or average) the pending sum and keep this rank's part of it.
+
+    ``dst=V`` keeps index ``rank`` of dim 0 (dim 0 has one entry per rank);
+    ``dst=S(d)`` keeps this rank's shard of dim d (``sizes=`` for uneven
+    shards). ``src=V`` means ``reinterpret(V, P)`` first. Backward is an
+    all-gather::
+
+        +[A0, A1, A2]       [A0 + B0 + C0]
+        +[B0, B1, B2]  =>   [A1 + B1 + C1]
+        +[C0, C1, C2]       [A2 + B2 + C2]
+
+    Example::
+
+        grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
+    """
+    if is_dtensor(x):
+        return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes)
+    begun = begin("reduce_scatter", x, axis, src, dst, op)
+    comm, opname = begun.comm, begun.opname
+    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
+    sizes = check_sizes(opname, sizes, comm)
+    if dim is None:
+        if sizes is not None:
+            raise ValueError(f"{opname}: sizes= needs a scatter dim (dst=S(d) or scatter_dim=); dst=V indexes dim 0")
+        if x.dim() == 0 or x.shape[0] != comm.size:
+            raise ValueError(
+                f"{opname}: dst=V keeps index `rank` of dim 0, so dim 0 must have one entry per rank of axis "
+                f"{comm.label} ({comm.size}); got shape {list(x.shape)}"
+            )
+    else:
+        _check_split(opname, x, dim, comm.size, sizes, comm.label, f"dst={begun.dst}")
+    return finish(begun, Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op), x)
+
+
+# ---------------------------------------------------------------------------
+# all_to_all: V -> V, S(i) -> S(j) (backward all_to_all S(j) -> S(i))
+
+
+def all_to_all(
+    x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = V, split_dim: int | None = None,
+    concat_dim: int | None = None,
+) -> torch.Tensor:
+    """Split ``x`` on ``split_dim`` into one piece per rank, send piece j to rank j, concatenate on ``concat_dim``.
+
+    ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
+    dim j (``concat_dim=i``, ``split_dim=j``). With plain V give both dims.
+    Backward is the all-to-all back::
+
+        [A0, A1]        [A0, B0]
+        [B0, B1]   =>   [A1, B1]
+
+    Example::
+
+        heads = spmd.all_to_all(seq_shard, "cp", src=spmd.S(0), dst=spmd.S(1))
+    """
+    if is_dtensor(x):
+        return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim)
+    begun = begin("all_to_all", x, axis, src, dst)
+    comm, opname, ndim = begun.comm, begun.opname, x.dim()
+    concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
+    split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
+    if split is None or concat is None:
+        raise ValueError(
+            f"{opname}: with src={begun.src}, dst={begun.dst} give split_dim= and concat_dim= "
+            "(or use src=S(i), dst=S(j), which say them)"
+        )
+    if not keeps_shards(begun.src, begun.dst):
+        _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
+    call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat)
+    return finish(begun, call, x)
+
+
+# ---------------------------------------------------------------------------
+# redistribute: keep the meaning, communicate as needed (routes via _transitions.ROUTE)
+
+
+def redistribute(
+    x: torch.Tensor, axis: Any, dst_spec: Any = None, *, src: SpmdType | None = None, dst: SpmdType | None = None,
+    sizes: Sequence[int] | None = None, src_partial: Sequence[str] = (), dst_partial: Sequence[str] = (),
+) -> torch.Tensor:
+    """Change ``x``'s type keeping its meaning: on one axis, or from one partition spec to another.
+
+    Per axis, ``redistribute(x, axis, src=, dst=)`` runs the op
+    ``_transitions.ROUTE`` names for the pair: a convert (R/I -> V, P; V -> P),
+    an all-gather (V -> R, I), an all-reduce (P -> R, I), a reduce-scatter
+    (P -> V) or an all-to-all (S(i) -> S(j)). Its backward is that op's
+    backward. ``src == dst`` returns ``x`` unchanged.
+
+    With partition specs, ``redistribute(x, src_spec, dst_spec)`` plans the
+    collectives (``spmd.plan_redistribute`` shows the plan), fusing several
+    axes into one collective where the mesh allows, and runs them.
+
+    Example::
+
+        y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
+        z = spmd.redistribute(x, spmd.PartitionSpec(("dp", "tp")), spmd.PartitionSpec(("tp", "dp")))
+    """
+    if is_dtensor(x):
+        return interop().typed_op(redistribute, x, axis, src=src, dst=dst, sizes=sizes)
+    if dst_spec is not None:
+        return redistribute_spec(x, axis, dst_spec, src_partial=src_partial, dst_partial=dst_partial)
+    if src is None or dst is None:
+        raise TypeError("spmd.redistribute takes (x, axis, src=, dst=) or (x, src_spec, dst_spec)")
+    src = check_type_value(src, "spmd.redistribute: src")
+    dst = check_type_value(dst, "spmd.redistribute: dst")
+    if src is dst:  # nothing to do, but src= must still be the tensor's type
+        check_input("spmd.redistribute", x, resolve_comm("spmd.redistribute", axis), src, dst)
+        return x
+    op = ROUTE.get((base_type(src), base_type(dst)))
+    if op == "all_to_all" and (src is V or dst is V):
+        raise ValueError(
+            f"spmd.redistribute: {src} -> {dst} does not say which dims to split and concatenate; use "
+            "src=S(i), dst=S(j), or spmd.all_to_all(..., split_dim=, concat_dim=)"
+        )
+    kwargs: dict[str, Any] = {"src": src, "dst": dst}
+    if sizes is not None:
+        kwargs["sizes"] = sizes
+    return _ROUTED[op](x, axis, **kwargs)
+
+
+_ROUTED = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+           "all_to_all": all_to_all, "convert": convert}

@@ -1,0 +1,106 @@
+"""``reinterpret`` and ``convert``: type changes with no communication in the forward.
+
+Each section holds the op's typing, its forward and its backward; the
+backward is a call to the op's dual as ``_transitions`` names it (see
+``_comm_call.dual``), so the table is the one source of truth. The backward of
+some of them communicates: ``reinterpret(I, R)`` backward is an all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .._core.dtensor_hook import interop, is_dtensor
+from .._core.types import SpmdType, V, base_type
+from .call import Call, begin, check_sizes, finish, norm_dim
+
+__all__ = ["reinterpret", "convert"]
+
+
+# ---------------------------------------------------------------------------
+# reinterpret: same local data, new type (the meaning may change)
+
+
+def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> torch.Tensor:
+    """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` without touching its local data.
+
+    The meaning may change: ``reinterpret(R, P)`` of ``[3.]`` on 4 ranks means
+    ``[12.]``. No communication forward; the backward is the dual in seed
+    003's table (``reinterpret(I, R)`` backward is an all-reduce)::
+
+        A   =>  +A          (R -> P: every rank's copy joins the pending sum)
+                +A
+
+    Example::
+
+        out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
+    """
+    if is_dtensor(x):
+        return interop().typed_op(reinterpret, x, axis, src=src, dst=dst)
+    begun = begin("reinterpret", x, axis, src, dst)
+    return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm), x)
+
+
+# ---------------------------------------------------------------------------
+# convert: same meaning, new type (local slicing or zero-filling only)
+
+
+def convert(
+    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Change ``x``'s type on ``axis`` keeping its meaning, with local work only.
+
+    * R/I -> V: each rank keeps ``x[rank]`` (dim 0 must have one entry per rank);
+      R/I -> S(d): each rank keeps its shard of dim ``d`` (``sizes=`` for uneven shards).
+    * R/I -> P: rank 0 keeps ``x``, the others hold zeros.
+    * V -> P: each rank puts its value at index ``rank`` of zeros ``[N, ...]``;
+      S(d) -> P: each rank puts its shard in its place in zeros of the full shape.
+    * R <-> I: nothing changes but the gradient's type.
+
+    ::
+
+        [A, B, C]  =>  [A]      (R -> S(0): keep your slice)
+                       [B]
+                       [C]
+
+    Example::
+
+        w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
+    """
+    if is_dtensor(x):
+        return interop().typed_op(convert, x, axis, src=src, dst=dst, sizes=sizes)
+    begun = begin("convert", x, axis, src, dst)
+    src, dst, comm = begun.src, begun.dst, begun.comm
+    sizes = check_sizes(begun.opname, sizes, comm)
+    dim = None
+    if base_type(dst) is V:
+        dim = _slice_layout(begun.opname, x, dst, comm.size, sizes, comm.label)
+    elif base_type(src) is V:
+        dim = None if src is V else norm_dim(begun.opname, f"src={src}", src.dim, x.dim())
+    return finish(begun, Call("convert", src, dst, comm, dim=dim, sizes=sizes), x)
+
+
+def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: Any, label: str) -> int | None:
+    """The dim that ``convert(..., dst=V or S(d))`` slices, after checking it splits evenly."""
+    if dst is V and sizes is not None:
+        raise ValueError(f"{opname}: sizes= needs a shard dim (dst=S(d)); dst=V keeps x[rank]")
+    if dst is V:
+        if x.dim() == 0 or x.shape[0] != n:
+            raise ValueError(
+                f"{opname}: dst=V keeps x[rank], so dim 0 must have one entry per rank of axis {label} "
+                f"({n}); got shape {list(x.shape)}"
+            )
+        return None
+    dim = norm_dim(opname, f"dst={dst}", dst.dim, x.dim())
+    length = x.shape[dim]
+    if sizes is not None:
+        if sum(sizes) != length:
+            raise ValueError(f"{opname}: sizes={list(sizes)} add up to {sum(sizes)}, but dim {dim} has size {length}")
+    elif length % n:
+        raise ValueError(
+            f"{opname}: dst={dst} splits tensor dim {dim} (size {length}) into {n} equal shards on axis "
+            f"{label}; {length} is not divisible by {n}. Pass sizes= (one per rank) for uneven shards."
+        )
+    return dim

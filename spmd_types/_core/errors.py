@@ -1,0 +1,184 @@
+"""SpmdTypeError and the one place its message is assembled.
+
+A message states the rule broken, then what was seen (op, operand types,
+axis), then the user's own source line, then the fix: the exact call that
+makes the program well typed. Plain text off a terminal; rendered with
+``rich`` when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = ["SpmdTypeError", "Rejection", "user_source_line"]
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmd_types/
+_SKIP_DIRS: tuple[str, ...] = (_PKG_DIR,)
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def user_source_line() -> str | None:
+    """``path:line: code`` of the innermost frame outside spmd_types, torch and the stdlib."""
+    found = user_source()
+    return found[0] if found else None
+
+
+def user_source(start: Any = None) -> tuple[str, str] | None:
+    """``(path:line: code, code)`` of the innermost user frame (from frame ``start`` outwards), or None."""
+    global _SKIP_DIRS
+    if len(_SKIP_DIRS) == 1:
+        import contextlib
+
+        _SKIP_DIRS = (_PKG_DIR, _torch_dir(), os.path.dirname(contextlib.__file__))
+    frame = sys._getframe(1) if start is None else start
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        # typing_extensions: its @deprecated wrapper sits between the user and a deprecated torch function
+        if (not filename.startswith(_SKIP_DIRS) and not frame.f_code.co_filename.startswith("<")
+                and not filename.endswith("typing_extensions.py")):
+            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            try:
+                shown = os.path.relpath(filename)
+            except ValueError:
+                shown = filename
+            if shown.startswith(".."):
+                shown = filename
+            return f"{shown}:{frame.f_lineno}: {code}", code
+        frame = frame.f_back
+    return None
+
+
+@dataclass
+class Rejection:
+    """Why a check failed, before it is turned into a message.
+
+    ``rule`` is the rule broken, ``seen`` the (label, value) lines that show
+    what was seen, ``fixes`` the calls that would make it well typed.
+    """
+
+    rule: str
+    seen: Sequence[tuple[str, str]] = ()
+    fixes: Sequence[str] = ()
+    notes: Sequence[str] = field(default_factory=tuple)
+
+
+class SpmdTypeError(TypeError):
+    """A program that is not well typed under the SPMD typing rules.
+
+    ``str(err)`` is the full message; ``err.rule``, ``err.fixes`` and
+    ``err.source`` hold its parts.
+
+    Example::
+
+        try:
+            y = p * p  # both Partial
+        except spmd.SpmdTypeError as err:
+            print(err.fixes[0])   # spmd.all_reduce(...)
+    """
+
+    def __init__(self, rejection: Rejection | str, source: str | None = None) -> None:
+        if isinstance(rejection, str):
+            rejection = Rejection(rejection)
+        self.rule = rejection.rule
+        self.seen = tuple(rejection.seen)
+        self.fixes = tuple(rejection.fixes)
+        self.notes = tuple(rejection.notes)
+        self.source = source
+        self.plain = format_plain(rejection, source)
+        super().__init__(_render(rejection, source, self.plain))
+
+    def __reduce__(self):
+        return (SpmdTypeError, (Rejection(self.rule, self.seen, self.fixes, self.notes), self.source))
+
+
+def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...]) -> SpmdTypeError:
+    """The error for a rejected op, with operands spelled as in the user's own line where possible."""
+    from .source import operand_expressions
+
+    found = user_source()
+    if found is None:
+        return SpmdTypeError(rejection, None)
+    source, code = found
+    exprs = operand_expressions(code, attr_name, params)
+    exprs = {label: e for label, e in exprs.items() if label != e}
+    if exprs:
+        fixes = []
+        for fix in rejection.fixes:
+            for label, expr in exprs.items():
+                fix = fix.replace(f"({label}, ", f"({expr}, ")
+            fixes.append(fix)
+        seen = []
+        for key, value in rejection.seen:
+            if key == "operands":
+                lines = []
+                for line in value.split("\n"):
+                    label, _, rest = line.partition(": ")
+                    lines.append(f"{label} ({exprs[label]}): {rest}" if label in exprs else line)
+                value = "\n".join(lines)
+            seen.append((key, value))
+        rejection = Rejection(rejection.rule, seen, fixes, rejection.notes)
+    return SpmdTypeError(rejection, source)
+
+
+def _rows(rejection: Rejection, source: str | None) -> list[tuple[str, str]]:
+    rows = list(rejection.seen)
+    if source:
+        rows.append(("at", source))
+    for i, fix in enumerate(rejection.fixes):
+        rows.append(("fix" if i == 0 else "or", fix))
+    for note in rejection.notes:
+        rows.append(("note", note))
+    return rows
+
+
+def format_plain(rejection: Rejection, source: str | None) -> str:
+    lines = [rejection.rule]
+    rows = _rows(rejection, source)
+    width = max((len(label) for label, _ in rows), default=0) + 2
+    for label, value in rows:
+        head = f"  {label + ':':<{width}}"
+        value_lines = value.split("\n")
+        lines.append(head + value_lines[0])
+        lines.extend(" " * len(head) + v for v in value_lines[1:])
+    return "\n".join(lines)
+
+
+def _use_rich() -> bool:
+    mode = os.environ.get("SPMD_TYPES_ERRORS", "auto")
+    if mode == "plain" or os.environ.get("NO_COLOR"):
+        return False
+    if mode == "rich":
+        return True
+    stream = sys.stderr
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def _render(rejection: Rejection, source: str | None, plain: str) -> str:
+    if not _use_rich():
+        return plain
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:  # rich is a dependency, but never let rendering hide the error
+        return plain
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    for label, value in _rows(rejection, source):
+        style = "green" if label in ("fix", "or") else ("dim" if label == "at" else "")
+        table.add_row(label + ":", Text(value, style=style))
+    console = Console(force_terminal=True, width=120, highlight=False)
+    with console.capture() as cap:
+        console.print(Text(rejection.rule, style="bold red"))
+        console.print(table)
+    return "\n" + cap.get().rstrip()
