@@ -83,7 +83,7 @@ def test_bad_axes(mesh_dp_tp):
         assert str(info.value) == "spmd.axis_index: unknown mesh axis 'pp'; the current mesh has axes 'dp', 'tp'"
         with pytest.raises(TypeError) as info:
             spmd.axis_index(3)
-        assert str(info.value) == "axis must be a mesh axis name, a ProcessGroup or a 1-D DeviceMesh, got int"
+        assert str(info.value) == "axis must be a mesh axis name, a ProcessGroup, a MeshAxis or a 1-D DeviceMesh, got int"
     with pytest.raises(RuntimeError) as info:
         spmd.axis_index("tp")
     assert str(info.value) == (

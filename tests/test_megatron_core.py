@@ -266,7 +266,8 @@ def test_gloo_typed_equals_untyped_equals_tp1(gloo_rows, tp, sp):
         assert row["loss_typed_vs_untyped"] == 0.0 and row["grad_typed_vs_untyped"] == 0.0
         assert row["loss_vs_tp1"] < 1e-5 and row["grad_vs_tp1"] < 1e-5, row
         assert row["invariant_grad_spread"] == 0.0  # gradients typed I are the same on every tp rank
-        assert row["loss_type"] == "{'dp': V, 'tp': I}" and row["n_params"] == 29
+        # at tp=4 on 4 processes dp has size 1: an axis of one rank carries no type
+        assert row["loss_type"] == ("{'dp': V, 'tp': I}" if tp < WORLD else "{'tp': I}") and row["n_params"] == 29
 
 
 def test_example_megatron_gpt_runs_at_dp8_tp8(cpu):

@@ -277,13 +277,16 @@ def _as_types(cls: type, value: Any) -> TypeMap | None:
     if not isinstance(value, Mapping):
         raise TypeError(f"the rule registered for {cls.__qualname__} must return {{axis: type}} dicts, got {value!r}")
     mesh = current_mesh()
+    space = None
     if mesh is not None:
-        missing = [a for a in mesh.axis_names if a not in value]
+        missing = [a for a in mesh.typed_axes if a not in value]
         if missing:
             raise ValueError(f"the rule registered for {cls.__qualname__} gave no type for axis "
                              f"{', '.join(repr(a) for a in missing)}")
+        value = {a: t for a, t in value.items() if a in mesh.typed_axes}  # axes of size 1 carry no type
+        space = mesh.space
     return TypeMap.of({a: check_type_value(t, f"the rule for {cls.__qualname__}: axis {a!r}")
-                       for a, t in value.items()})
+                       for a, t in value.items()}, space)
 
 
 def _local_types(cls: type, args: tuple, kwargs: dict) -> TypeMap | None:

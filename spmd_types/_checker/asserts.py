@@ -14,7 +14,7 @@ import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.errors import Rejection, op_error
-from .._core.mesh import Axis, current_mesh, resolve_axis
+from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
@@ -99,32 +99,28 @@ def is_checking() -> bool:
 
 
 def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
+    """``{name: type}`` over the current mesh's typed axes from a user's type dict.
+
+    Keys are names (str or StrEnum), ProcessGroups, MeshAxis objects or 1-D
+    DeviceMeshes; a key over several axes (a flattened group) types each of
+    them; a key of size 1 types nothing. When two keys name one axis, the later
+    wins, as in a Python dict (``{**spmd.get_local_type(x), tp_group: spmd.S(1)}``).
+    """
     if not isinstance(types, Mapping):
         raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
     if current_mesh() is None:
         raise RuntimeError(f"{what} needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`")
     out: dict[str, SpmdType] = {}
     for a, t in types.items():
-        name = resolve_axis(a)
-        if name in out:
-            raise ValueError(
-                f"{what}: axis '{name}' appears twice in the types (as {_axis_text(name, types)})"
-            )
-        out[name] = check_type_value(t, f"the type for axis {a!r}")
+        t = check_type_value(t, f"the type for axis {a!r}")
+        for name in resolve_axes(a):
+            out[name] = t
     return out
 
 
-def _axis_text(name: str, types: TypeSpec) -> str:
-    """How a type dict spells axis ``name``: ``'tp' and as a ProcessGroup``."""
-    spelled = [repr(a) if isinstance(a, str) else f"a {type(a).__name__}" for a in types if _names(a, name)]
-    return " and as ".join(spelled)
-
-
-def _names(a: Any, name: str) -> bool:
-    try:
-        return resolve_axis(a) == name
-    except (TypeError, ValueError, RuntimeError):
-        return False
+def _typed_spec(spec: Spec) -> Spec:
+    """A normalized spec with every axis resolved to the current mesh's typed names (size-1 axes dropped)."""
+    return tuple(tuple(n for a in entry for n in resolve_axes(a)) for entry in spec)
 
 
 def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[TypeMap, Spec | None]:
@@ -137,13 +133,11 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     given = _resolve_types(types, "assert_type")
     mesh = current_mesh()
     ndim = t.dim()
-    spec = spec_from_shards(given, ndim, mesh.axis_names)
+    spec = spec_from_shards(given, ndim, mesh.typed_axes)
     if partition_spec is not None:
         user = normalize(partition_spec, ndim)
+        user = _typed_spec(user)
         check_unique(user, partition_spec)
-        for entry in user:
-            for axis in entry:
-                resolve_axis(axis)
         for d, (a, b) in enumerate(zip(spec, user)):
             if a and b and a != b:
                 raise ValueError(f"dim {d}: the types say S({d}) on {a}, the partition spec says {b}")
@@ -158,14 +152,14 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     placed = axes_of(spec)
     global_axes = mesh.global_axes(STATE.local_axes) if STATE.global_mode else frozenset()
     full: dict[str, SpmdType] = {}
-    for axis in mesh.axis_names:
+    for axis in mesh.typed_axes:
         t_axis = given.get(axis)
         if t_axis is None:
             t_axis = V if (axis in placed or axis not in global_axes) else R
         elif axis in placed and not t_axis.is_varying:
             raise ValueError(f"axis '{axis}' shards a dim in the partition spec but its type is {t_axis}, not V")
         full[axis] = t_axis
-    return TypeMap.of(full), (spec if (placed or global_axes) else None)
+    return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None)
 
 
 def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:

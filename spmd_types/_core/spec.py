@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from .types import PartitionSpec, SpmdType, TypeMap
+from .types import PartitionSpec, SpmdType, TypeMap, _is_axis_object
 
 __all__ = ["Spec", "normalize", "to_partition_spec", "spec_from_shards", "global_shape", "format_shape", "axes_of"]
 
@@ -37,8 +37,8 @@ def normalize(ps: Sequence[str | tuple[str, ...] | None], ndim: int, what: str =
             f"one per tensor dim; got {ps!r}"
         )
     for entry in ps:
-        ok = entry is None or isinstance(entry, str) or (
-            isinstance(entry, (tuple, list)) and all(isinstance(a, str) for a in entry)
+        ok = entry is None or isinstance(entry, str) or _is_axis_object(entry) or (
+            isinstance(entry, (tuple, list)) and all(isinstance(a, str) or _is_axis_object(a) for a in entry)
         )
         if not ok:
             raise TypeError(f"{what} entries are None, an axis name or a tuple of axis names; got {entry!r}")
@@ -48,7 +48,7 @@ def normalize(ps: Sequence[str | tuple[str, ...] | None], ndim: int, what: str =
     for entry in ps:
         if entry is None:
             out.append(())
-        elif isinstance(entry, str):
+        elif isinstance(entry, str) or _is_axis_object(entry):
             out.append((entry,))
         else:
             out.append(tuple(entry))

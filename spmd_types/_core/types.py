@@ -24,6 +24,8 @@ __all__ = [
     "backward_type",
     "PartitionSpec",
     "TypeMap",
+    "Space",
+    "PerMeshAxisLocalSpmdType",
 ]
 
 
@@ -69,23 +71,30 @@ class SpmdType:
         """True for V and every S(d): different data on each rank."""
         return False
 
+    def backward_type(self) -> SpmdType:
+        """The type of this type's gradient (``spmd.R.backward_type() is spmd.P``)."""
+        return backward_type(self)
 
-class _Shard(SpmdType):
-    __slots__ = ("dim",)
 
-    def __init__(self, dim: int) -> None:
-        super().__init__(f"S({dim})", f"Shard({dim})")
-        object.__setattr__(self, "dim", dim)
+class PerMeshAxisLocalSpmdType(SpmdType):
+    """The four types a tensor stores per axis: R, I, V and P (``S(d)`` is V with a layout).
 
-    def __reduce__(self):
-        return (S, (self.dim,))
+    Example::
+
+        >>> import spmd_types as spmd
+        >>> isinstance(spmd.R, spmd.PerMeshAxisLocalSpmdType), isinstance(spmd.S(0), spmd.PerMeshAxisLocalSpmdType)
+        (True, False)
+    """
+
+    __slots__ = ()
 
     @property
-    def is_varying(self) -> bool:
-        return True
+    def value(self) -> str:
+        """The one-letter name, as the published API's enum has it (``spmd.R.value == 'R'``)."""
+        return self._short
 
 
-class _Varying(SpmdType):
+class _Varying(PerMeshAxisLocalSpmdType):
     """V (varying): a different value on each rank of the axis; S(d) is V with a known layout.
 
     Example::
@@ -102,35 +111,50 @@ class _Varying(SpmdType):
         return True
 
 
-R = SpmdType("R", "Replicate")
-I = SpmdType("I", "Invariant")  # noqa: E741 - the seed's name for the type
+R = PerMeshAxisLocalSpmdType("R", "Replicate")
+I = PerMeshAxisLocalSpmdType("I", "Invariant")  # noqa: E741 - the seed's name for the type
 V = _Varying("V", "Varying")
-P = SpmdType("P", "Partial")
+P = PerMeshAxisLocalSpmdType("P", "Partial")
 Replicate = R
 Invariant = I
 Varying = V
 Partial = P
 
-_SHARDS: dict[int, _Shard] = {}
-
-
-def S(dim: int) -> SpmdType:
-    """Shard on tensor dim ``dim``: V whose shards concatenate on ``dim``.
+class Shard(SpmdType):
+    """``S(d)``: V whose shards concatenate on tensor dim ``d``; ``Shard(d) is S(d)`` (one object per dim).
 
     Example::
 
-        >>> S(1) is S(1), str(S(-1))
-        (True, 'S(-1)')
+        >>> S(1) is Shard(1), isinstance(S(1), Shard), S(1).dim, str(S(-1))
+        (True, True, 1, 'S(-1)')
     """
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"S(dim) needs an int tensor dim, got {dim!r}")
-    shard = _SHARDS.get(dim)
-    if shard is None:
-        shard = _SHARDS[dim] = _Shard(dim)
-    return shard
+
+    __slots__ = ("dim",)
+    _interned: dict[int, Shard] = {}
+
+    def __new__(cls, dim: int) -> Shard:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"S(dim) needs an int tensor dim, got {dim!r}")
+        found = cls._interned.get(dim)
+        if found is None:
+            found = object.__new__(cls)
+            SpmdType.__init__(found, f"S({dim})", f"Shard({dim})")
+            object.__setattr__(found, "dim", dim)
+            cls._interned[dim] = found
+        return found
+
+    def __init__(self, dim: int) -> None:  # built once, in __new__
+        pass
+
+    def __reduce__(self):
+        return (Shard, (self.dim,))
+
+    @property
+    def is_varying(self) -> bool:
+        return True
 
 
-Shard = S
+S = Shard
 
 
 def base_type(t: SpmdType) -> SpmdType:
@@ -156,7 +180,7 @@ def backward_type(t: SpmdType) -> SpmdType:
         >>> backward_type(R), backward_type(P), backward_type(S(2))
         (P, R, S(2))
     """
-    if isinstance(t, _Shard):
+    if isinstance(t, Shard):
         return t
     try:
         return _BACKWARD[t]
@@ -181,8 +205,26 @@ def check_type_value(value: object, what: str) -> SpmdType:
     )
 
 
+def _is_axis_object(a: object) -> bool:
+    """A mesh axis given as an object: a MeshAxis or a ProcessGroup (anything but a number, a bool or a container)."""
+    return not isinstance(a, (int, float, complex, bool, list, tuple, dict, set, frozenset, bytes)) and a is not None
+
+
+def _spec_entry(e: object) -> object:
+    """One PartitionSpec entry, checked; a str subclass (a StrEnum axis name) becomes its plain name."""
+    if isinstance(e, str):
+        return str.__str__(e)
+    if e is None or _is_axis_object(e):
+        return e
+    if isinstance(e, tuple) and all(isinstance(a, str) or _is_axis_object(a) for a in e):
+        return tuple(str.__str__(a) if isinstance(a, str) else a for a in e)
+    raise TypeError(
+        f"PartitionSpec entries are None, an axis name or a tuple of axis names; got {e!r}"
+    )
+
+
 class PartitionSpec(tuple):
-    """Per tensor dim: ``None``, one mesh axis name, or a tuple of axis names.
+    """Per tensor dim: ``None``, one mesh axis (a name, a ProcessGroup or a MeshAxis), or a tuple of axes.
 
     Example::
 
@@ -190,44 +232,71 @@ class PartitionSpec(tuple):
         PartitionSpec(None, 'tp')
     """
 
-    def __new__(cls, *entries: str | tuple[str, ...] | None) -> PartitionSpec:
-        for e in entries:
-            ok = e is None or isinstance(e, str) or (
-                isinstance(e, tuple) and all(isinstance(a, str) for a in e)
-            )
-            if not ok:
-                raise TypeError(
-                    f"PartitionSpec entries are None, an axis name or a tuple of axis names; got {e!r}"
-                )
-        return super().__new__(cls, entries)
+    def __new__(cls, *entries: object) -> PartitionSpec:
+        return super().__new__(cls, tuple(_spec_entry(e) for e in entries))
 
     def __repr__(self) -> str:
         return "PartitionSpec(" + ", ".join(repr(e) for e in self) + ")"
 
 
-class TypeMap:
-    """An interned, immutable ``{axis: type}`` mapping: a tensor's type.
+class Space:
+    """What a type map's axis names stand for: ``(name, region)`` pairs of the mesh it was typed on.
 
-    Build one with :meth:`TypeMap.of`; equal mappings are the same object, so
-    equality and hashing are by identity.
+    Interned, so two type maps are on the same mesh exactly when their spaces
+    are the same object. The regions are opaque here (``_core/axes.py``'s
+    ``MeshAxis``); a type map with no space (None) matches any mesh by names.
     """
 
-    __slots__ = ("items", "_dict", "__weakref__")
-    _interned: dict[tuple, TypeMap] = {}
+    __slots__ = ("pairs", "_regions", "__weakref__")
+    _interned: dict[tuple, Space] = {}
 
-    items: tuple[tuple[str, SpmdType], ...]
-
-    def __init__(self, items: tuple[tuple[str, SpmdType], ...]) -> None:
-        self.items = items
-        self._dict = dict(items)
+    def __init__(self, pairs: tuple[tuple[str, object], ...]) -> None:
+        self.pairs = pairs
+        self._regions = dict(pairs)
 
     @classmethod
-    def of(cls, mapping: Mapping[str, SpmdType] | Iterable[tuple[str, SpmdType]]) -> TypeMap:
-        pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
+    def of(cls, pairs: Iterable[tuple[str, object]]) -> Space:
         key = tuple(sorted(pairs, key=lambda kv: kv[0]))
         found = cls._interned.get(key)
         if found is None:
             found = cls._interned[key] = cls(key)
+        return found
+
+    def region(self, name: str) -> object:
+        return self._regions.get(name)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.pairs)
+
+    def __repr__(self) -> str:
+        return "Space(" + ", ".join(f"{n}={r!r}" for n, r in self.pairs) + ")"
+
+
+class TypeMap:
+    """An interned, immutable ``{axis: type}`` mapping: a tensor's type.
+
+    Build one with :meth:`TypeMap.of`; equal mappings on the same :class:`Space`
+    are the same object, so equality and hashing are by identity.
+    """
+
+    __slots__ = ("items", "_dict", "space", "__weakref__")
+    _interned: dict[tuple, TypeMap] = {}
+
+    items: tuple[tuple[str, SpmdType], ...]
+
+    def __init__(self, items: tuple[tuple[str, SpmdType], ...], space: Space | None = None) -> None:
+        self.items = items
+        self._dict = dict(items)
+        self.space = space
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, SpmdType] | Iterable[tuple[str, SpmdType]], space: Space | None = None) -> TypeMap:
+        pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
+        items = tuple(sorted(pairs, key=lambda kv: kv[0]))
+        key = (items, space)
+        found = cls._interned.get(key)
+        if found is None:
+            found = cls._interned[key] = cls(items, space)
         return found
 
     def get(self, axis: str, default: SpmdType | None = None) -> SpmdType | None:
@@ -248,10 +317,10 @@ class TypeMap:
     def replace(self, axis: str, t: SpmdType) -> TypeMap:
         d = dict(self._dict)
         d[axis] = t
-        return TypeMap.of(d)
+        return TypeMap.of(d, self.space)
 
     def backward(self) -> TypeMap:
-        return TypeMap.of((a, backward_type(t)) for a, t in self.items)
+        return TypeMap.of(((a, backward_type(t)) for a, t in self.items), self.space)
 
     def code(self) -> str:
         """The dict that spells this type map in user code: ``{'dp': spmd.V, 'tp': spmd.R}``."""

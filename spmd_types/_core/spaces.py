@@ -1,0 +1,109 @@
+"""Moving a type from one presentation of the ranks to another (``reinterpret_mesh``), as data on regions.
+
+The same ranks can be presented as different meshes: a dense ``(dp, cp, tp)``
+and an expert ``(edp, ep, etp)``, or ``(dp, cp)`` and one flattened ``dp_cp``.
+A type moves between two presentations when:
+
+* an axis whose region is in both keeps its type (under the target's name);
+* the remaining axes of each side, taken outermost first, split into groups
+  whose flattenings are the same region, and every axis of a source group has
+  the same type, which each axis of the matching target group then gets
+  (``(dp: V, cp: V)`` -> ``dp_cp: V``; ``(dp: R, cp: V)`` cannot flatten).
+
+Anything else is refused with the reason, never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .axes import MeshAxis, flatten
+from .types import Space, SpmdType, TypeMap
+
+__all__ = ["move_types", "GroupMove"]
+
+GroupMove = tuple[tuple[str, ...], tuple[str, ...]]  # (source names, target names), outermost first
+
+
+def move_types(types: TypeMap, target: Space) -> tuple[TypeMap, list[GroupMove]] | str:
+    """``types`` on ``target``'s axes, with the groups that moved; or why it cannot move."""
+    source = types.space
+    if source is None or source is target:
+        return types, [(a, a) for a in ((n,) for n in types.axes())]
+    by_region: dict[object, str] = {region: name for name, region in target.pairs}
+    out: dict[str, SpmdType] = {}
+    moves: list[GroupMove] = []
+    rest_src: list[tuple[str, MeshAxis, SpmdType]] = []
+    for name, t in types.items:
+        region = source.region(name)
+        if region in by_region:
+            out[by_region[region]] = t
+            moves.append(((name,), (by_region[region],)))
+        else:
+            rest_src.append((name, region, t))  # type: ignore[arg-type]
+    rest_dst = [(n, r) for n, r in target.pairs if n not in out]
+    if not rest_src and not rest_dst:
+        return TypeMap.of(out, target), moves
+    if not rest_dst:
+        return (f"axes {_names(rest_src)} of the tensor's mesh have no counterpart in the target mesh "
+                f"({', '.join(target.names())})")
+    if not rest_src:
+        return (f"the target mesh's axes {_names(rest_dst)} cover ranks the tensor's type says nothing about "
+                f"(its axes: {', '.join(types.axes())})")
+    walked = _walk(sorted(rest_src, key=_outer, reverse=True), sorted(rest_dst, key=_outer, reverse=True))
+    if isinstance(walked, str):
+        return walked
+    for src_group, dst_group, t in walked:
+        for name in dst_group:
+            out[name] = t
+        moves.append((src_group, dst_group))
+    return TypeMap.of(out, target), moves
+
+
+def _outer(entry: tuple) -> int:
+    return entry[1].outer_stride()
+
+
+def _names(entries: Sequence[tuple]) -> str:
+    return "(" + ", ".join(e[0] for e in entries) + ")"
+
+
+def _walk(src: list, dst: list) -> list[tuple[tuple[str, ...], tuple[str, ...], SpmdType]] | str:
+    """Pair outermost-first groups of source and target axes whose flattenings are one region."""
+    groups = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        sg, dg = [src[i]] if i < len(src) else [], [dst[j]] if j < len(dst) else []
+        i, j = i + len(sg), j + len(dg)
+        if not sg or not dg:
+            return "the two meshes do not cover the same ranks: " + _leftover(src[i - len(sg):], dst[j - len(dg):])
+        while _size(sg) != _size(dg):
+            if _size(sg) < _size(dg) and i < len(src):
+                sg.append(src[i])
+                i += 1
+            elif _size(dg) < _size(sg) and j < len(dst):
+                dg.append(dst[j])
+                j += 1
+            else:
+                return "the two meshes do not cover the same ranks: " + _leftover(sg, dg)
+        kinds = {t for _, _, t in sg}
+        if len(kinds) > 1:
+            shown = ", ".join(f"{n}: {t}" for n, _, t in sg)
+            return (f"axes {_names(sg)} would flatten into {_names(dg)}, but their types differ ({shown}); "
+                    "a flattened axis has one type")
+        if flatten([r for _, r, _ in sg]) != flatten([r for _, r in dg]):
+            return (f"axes {_names(sg)} and {_names(dg)} have the same size but run over different ranks "
+                    f"({flatten([r for _, r, _ in sg]).layout()} vs {flatten([r for _, r in dg]).layout()})")
+        groups.append((tuple(n for n, _, _ in sg), tuple(n for n, _ in dg), sg[0][2]))
+    return groups
+
+
+def _size(group: list) -> int:
+    n = 1
+    for entry in group:
+        n *= entry[1].size()
+    return n
+
+
+def _leftover(src: list, dst: list) -> str:
+    return f"{_names(src) if src else '()'} against {_names(dst) if dst else '()'}"
