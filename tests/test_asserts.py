@@ -66,7 +66,7 @@ def test_bad_type_specs_are_clear_errors(mesh_dp_tp):
             spmd.assert_type(torch.randn(2), {"pp": spmd.R})
         with pytest.raises(TypeError, match="takes types as a dict"):
             spmd.assert_type(torch.randn(2), spmd.R)
-        with pytest.raises(TypeError, match="takes a tensor or an nn.Module"):
+        with pytest.raises(TypeError, match="takes a tensor .or a list or tuple of tensors. or an nn.Module"):
             spmd.assert_type([1, 2], ACT)
     with spmd.typecheck():
         with pytest.raises(RuntimeError, match="needs a current mesh"):

@@ -75,17 +75,17 @@ def enter(cm: Any) -> None:
 
 
 def two_meshes() -> torch.Tensor:
-    """A tensor typed on the (dp, tp) mesh meets one typed on another mesh (ep)."""
+    """A tensor typed on the (dp, tp) mesh meets one typed on (a, b) over the same ranks, but not movable onto it."""
     a = ty({"dp": V, "tp": R}, 4)
-    with spmd.set_current_mesh(ENV["ep_mesh"]):
-        b = ty({"ep": V}, 4)
+    with spmd.set_current_mesh(ENV["ab_mesh"]):
+        b = ty({"a": V, "b": R}, 4)  # (a, b) flatten to the ranks of (dp, tp), but with two types
     return a + b
 
 
 def collective_on_other_mesh() -> torch.Tensor:
-    """A tensor typed on another mesh (ep) reaches a collective on this mesh's tp."""
-    with spmd.set_current_mesh(ENV["ep_mesh"]):
-        b = ty({"ep": P}, 4)
+    """A tensor typed on another mesh (a, b) that cannot move onto this one reaches a collective on tp."""
+    with spmd.set_current_mesh(ENV["ab_mesh"]):
+        b = ty({"a": P, "b": V}, 4)
     return spmd.all_reduce(b, "tp", src=P, dst=R)
 
 
@@ -231,7 +231,8 @@ CASES: list[Case] = [
     Case("ar-flattened-one-axis-wrong", lambda: AR(ty({"dp": P, "tp": R}, 4), ("dp", "tp"), src=P, dst=R),
          spmd.SpmdTypeError, "src=P, but the tensor is R on axis 'tp'"),
     Case("ar-input-from-other-mesh", collective_on_other_mesh, spmd.SpmdTypeError,
-         "src=P, but the tensor is untyped on axis 'tp'"),
+         "spmd.all_reduce's input is typed on another mesh and cannot be moved onto the current one: axes (a, b) "
+         "would flatten into (dp, tp), but their types differ (a: P, b: V); a flattened axis has one type."),
     # --- the input itself
     Case("ar-input-list", lambda: AR([1.0, 2.0], "tp", src=P, dst=R), TypeError,
          "spmd.all_reduce takes a tensor, got list"),
@@ -421,7 +422,7 @@ CASES: list[Case] = [
     Case("assert-no-mesh", lambda: enter_check_then(lambda: spmd.assert_type(t(4), {"tp": R})), RuntimeError,
          "assert_type needs a current mesh", ctx="none"),
     Case("assert-not-a-tensor", lambda: spmd.assert_type([1.0], {"tp": R}), TypeError,
-         "assert_type takes a tensor or an nn.Module, got list"),
+         "assert_type takes a tensor (or a list or tuple of tensors) or an nn.Module, got float"),
     Case("assert-shard-out-of-range", lambda: spmd.assert_type(t(4, 4), {"tp": S(2)}), ValueError,
          "S(2) on axis 'tp' is out of range for a 2-d tensor"),
     Case("assert-shard-of-0d", lambda: spmd.assert_type(t(), {"tp": S(0)}), ValueError,
@@ -486,8 +487,9 @@ CASES: list[Case] = [
     Case("local-map-no-mesh", lambda: enter_check_then(lambda: local_map_call(ident, [None], {"tp": R}, t(4))),
          RuntimeError, "local_map needs a current mesh", ctx="none"),
     # --- tensors typed on two meshes mixed; explicit-partial ops
-    Case("two-meshes-mixed", two_meshes, spmd.SpmdTypeError, "mixes tensors typed on different meshes: input has "
-         "no type on axis 'ep'."),
+    Case("two-meshes-mixed", two_meshes, spmd.SpmdTypeError, "mixes tensors typed on different meshes, and other "
+         "cannot be moved onto the current mesh: axes (a, b) would flatten into (dp, tp), but their types differ (a: V, "
+         "b: R); a flattened axis has one type."),
     Case("sum-out-partial-unknown", lambda: spmd.sum(ty({"tp": V}, 4), out_partial_axes=["pp"]), ValueError, UNKNOWN),
     Case("sum-out-partial-int", lambda: spmd.sum(ty({"tp": V}, 4), out_partial_axes=3), TypeError,
          "axis must be a mesh axis name, a ProcessGroup, a MeshAxis or a 1-D DeviceMesh, got int"),
@@ -586,6 +588,7 @@ def enter_check_then(fn: Callable[[], Any]) -> Any:
 def env():
     ENV["mesh"] = fake_mesh((2, 4), ("dp", "tp"))
     ENV["ep_mesh"] = init_device_mesh("cpu", (8,), mesh_dim_names=("ep",))
+    ENV["ab_mesh"] = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "b"))
     yield
     ENV.clear()
 

@@ -128,11 +128,14 @@ def test_leaf_requiring_grad_is_typed_in_place(typed):
     assert spmd.get_type(x.grad) == {"dp": spmd.V, "tp": spmd.I}
 
 
-def test_plain_tensor_is_not_changed_by_typing(typed):
+def test_plain_tensor_is_typed_in_place(typed):
+    """As the published API does (torchtitan never reads assert_type's result): the object given carries the type."""
     x = torch.randn(3)
+    h = torch.randn(3, requires_grad=True) * 2  # a non-leaf activation
     y = spmd.assert_type(x, ACT)
-    assert type(x) is torch.Tensor and spmd.get_type(x) is None and spmd.get_type(y) == ACT
-    assert y.data_ptr() == x.data_ptr()
+    assert y is x and spmd.get_type(x) == ACT
+    spmd.assert_type(h, ACT)  # the result unused, as torchtitan writes it
+    assert spmd.get_type(h) == ACT and h.grad_fn is not None
 
 
 def test_ops_outside_typecheck_return_plain_tensors(mesh_dp_tp):

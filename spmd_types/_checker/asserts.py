@@ -165,23 +165,26 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
 def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     """Give ``t`` its SPMD types, or check the types it has.
 
-    Inside :func:`typecheck`: a plain tensor comes back as an LTensor with
-    ``types`` (axes of the current mesh that ``types`` leaves out are V); a
-    typed tensor is checked and comes back unchanged; an ``nn.Parameter`` (or a
-    leaf that requires grad) is typed in place and stays the same object; an
-    ``nn.Module`` has every parameter and buffer typed. Outside
-    :func:`typecheck` it returns ``t`` untouched.
+    Inside :func:`typecheck`: a plain tensor is typed in place (the same
+    object is an LTensor with ``types`` afterwards, and is returned; axes of the
+    current mesh that ``types`` leaves out are V in local SPMD, R in global); a
+    typed tensor is checked (``S(d)`` refines V) and returned; an ``nn.Module``
+    has every parameter and buffer typed. A list or tuple of tensors has each
+    typed. Outside :func:`typecheck` it returns ``t`` untouched.
 
     Example::
 
         with spmd.set_current_mesh(mesh), spmd.typecheck():
-            w = spmd.assert_type(torch.randn(16, 16), {"dp": spmd.I, "tp": spmd.I})
+            w = torch.randn(16, 16)
+            spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
     if not STATE.checking:
         return t
     if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
         refuse_compile()
+    if isinstance(t, (list, tuple)):
+        return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
     if isinstance(t, torch.nn.Module):
         if partition_spec is not None:
             raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
@@ -189,13 +192,13 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             if getattr(member, "_spmd_types", None) is not None:
                 _refine(member, types, None)
             else:
-                _type_or_check(member, *_placed(member, types, None), in_place=True)
+                _type_or_check(member, *_placed(member, types, None))
         name_parameters(t)  # error messages about a gradient can then name its parameter
         return t
     if is_dtensor(t):
         return interop().assert_dtensor(t, types, partition_spec)
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"assert_type takes a tensor or an nn.Module, got {type(t).__name__}")
+        raise TypeError(f"assert_type takes a tensor (or a list or tuple of tensors) or an nn.Module, got {type(t).__name__}")
     if getattr(t, "_spmd_types", None) is not None:
         return _refine(t, types, partition_spec)  # type: ignore[return-value]
     want, spec = _placed(t, types, partition_spec)
@@ -238,15 +241,12 @@ def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:
     )
 
 
-def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None, in_place: bool = False) -> torch.Tensor:
+def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None) -> torch.Tensor:
     have = getattr(t, "_spmd_types", None)
     if have is None:
         if STATE.global_mode:
             _check_layout(want, spec if spec is not None else tuple(() for _ in range(t.dim())))
-        if in_place or isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-            out = type_in_place(t, want)
-        else:
-            out = make_typed(t, want)
+        out = type_in_place(t, want)  # the object given carries the type (torchtitan never reads the result)
         if spec is not None:
             out._spmd_spec = spec
         return out

@@ -97,9 +97,9 @@ def _foreach_call(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     cache = _CACHES[STATE.strict]
     types = cache.get(key, _MISSING)
     if types is _MISSING:
-        STATE.gradient_free = False
+        STATE.uncacheable = False
         types = _foreach_types(func, args, kwargs)
-        if not STATE.gradient_free:  # accepted only because no operand carries a gradient: not cached by types
+        if not STATE.uncacheable:  # accepted only because no operand carries a gradient: not cached by types
             cache[key] = types
     out = _run(func, args, kwargs)
     if types is None or type(out) not in (list, tuple):
@@ -135,9 +135,9 @@ def _fused_call(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     key = _key(func, args, {})
     cache = _CACHES[STATE.strict]
     if cache.get(key, _MISSING) is _MISSING:
-        STATE.gradient_free = False
+        STATE.uncacheable = False
         _fused_types(func, args)
-        if not STATE.gradient_free:
+        if not STATE.uncacheable:
             cache[key] = None
     return _run(func, args, kwargs)
 

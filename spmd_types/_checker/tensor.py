@@ -146,9 +146,9 @@ def _typed_call(func, args, kwargs):
     cache = _CACHES[STATE.strict]
     out_types = cache.get(key, _MISSING)
     if out_types is _MISSING:
-        STATE.gradient_free = False
+        STATE.uncacheable = False
         out_types = _infer_or_raise(func, args, kwargs)
-        if not STATE.gradient_free:  # a gradient-free acceptance depends on more than types: not cached
+        if not STATE.uncacheable:  # a gradient-free acceptance depends on more than types: not cached
             cache[key] = out_types
     if STATE.global_mode and out_types is not None:
         try:
@@ -515,7 +515,7 @@ def make_typed(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
 
 
 def type_in_place(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
-    """Give leaf ``t`` (an nn.Parameter or a leaf that requires grad) its types, same object."""
+    """Give ``t`` its types, same object (a leaf that requires grad also gets its gradient typed)."""
     if type(t) not in _TYPED_CLASSES:
         t.__class__ = _typed_class_for(t)
     t._spmd_types = types

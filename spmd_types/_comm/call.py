@@ -19,8 +19,10 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
+from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh, resolve_axis
+from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible
 from .._guards.strict import untyped_input
@@ -149,8 +151,10 @@ def _resolve(opname: str, axis: Any, mesh: Any) -> AxisComm:
 
     if isinstance(axis, (tuple, list)):
         return _resolve_many(opname, tuple(axis), mesh)
+    if isinstance(axis, MeshAxis):
+        return _resolve_region(opname, axis, None, mesh)
     if isinstance(axis, dist.ProcessGroup) and (mesh is None or all(g is not axis for g in mesh.groups.values())):
-        return AxisComm((f"group {axis.group_name}",), axis, axis.group_name, axis.size())
+        return _resolve_region(opname, region_of_group(axis), axis, mesh)
     if isinstance(axis, DeviceMesh) and mesh is None and axis.ndim == 1 and axis.mesh_dim_names:
         group = axis.get_group()
         return AxisComm((axis.mesh_dim_names[0],), group, group.group_name, group.size())
@@ -159,7 +163,27 @@ def _resolve(opname: str, axis: Any, mesh: Any) -> AxisComm:
     except (ValueError, RuntimeError) as err:
         raise type(err)(f"{opname}: {err}") from None
     group = mesh.groups[name]
+    if group is None:
+        raise ValueError(f"{opname}: the current mesh knows axis '{name}' only as a MeshAxis (no process group); "
+                         "pass the ProcessGroup to communicate over")
+    if mesh.size(name) == 1:
+        return AxisComm((), group, group.group_name, 1, (name,))
     return AxisComm((name,), group, group.group_name, group.size())
+
+
+def _resolve_region(opname: str, region: MeshAxis, group: Any, mesh: Any) -> AxisComm:
+    """A group (or MeshAxis) given by object: the current mesh's axes over its region, by ranks."""
+    label = f"group {group.group_name}" if group is not None else repr(region)
+    found = mesh.axes_for_region(region) if mesh is not None else None
+    if found is not None and group is None:
+        group = mesh.group_for(found) if found else None
+        if group is None:
+            raise ValueError(f"{opname}: the current mesh has no process group over {label}; pass the ProcessGroup")
+    if group is None:
+        raise ValueError(f"{opname}: {label} is not an axis of the current mesh; pass a ProcessGroup")
+    if found is None:  # outside the mesh: untyped inputs only (check_input refuses typed ones)
+        return AxisComm((label,), group, group.group_name, group.size())
+    return AxisComm(found, group, group.group_name, group.size(), None if found else (label,))
 
 
 def _resolve_many(opname: str, names: tuple, mesh: Any) -> AxisComm:
@@ -167,7 +191,7 @@ def _resolve_many(opname: str, names: tuple, mesh: Any) -> AxisComm:
         raise ValueError(f"{opname}: axis () names no mesh axis")
     if len(names) == 1:
         return _resolve(opname, names[0], mesh)
-    resolved = tuple(_resolve(opname, n, mesh).names[0] for n in names)
+    resolved = tuple((_resolve(opname, n, mesh).names or _resolve(opname, n, mesh).shown)[0] for n in names)
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"{opname}: axis {names!r} names a mesh axis twice")
     device_mesh = getattr(mesh, "device_mesh", None)
@@ -182,7 +206,8 @@ def _resolve_many(opname: str, names: tuple, mesh: Any) -> AxisComm:
             f"{opname}: list the axes of a flattened collective in mesh order, {tuple(order)!r}, not {resolved!r}"
         )
     group = device_mesh[resolved]._flatten().get_group()
-    return AxisComm(resolved, group, group.group_name, group.size())
+    typed = tuple(n for n in resolved if mesh.size(n) > 1)
+    return AxisComm(typed, group, group.group_name, group.size(), None if typed == resolved else resolved)
 
 
 # ---------------------------------------------------------------------------
@@ -230,11 +255,31 @@ def check_input(opname: str, x: torch.Tensor, comm: AxisComm, src: SpmdType, dst
         if STATE.strict:
             raise untyped_input(opname, _call_text(opname, comm, src, dst), comm.names, src)
         return None
+    types = _on_current_mesh(opname, x, types)
     for name in comm.names:
         have = types.get(name)
         if not compatible(have, src):
             _reject_src(opname, x, types, comm, name, have, src, dst)
     return types
+
+
+def _on_current_mesh(opname: str, x: torch.Tensor, types: TypeMap) -> TypeMap:
+    """``x``'s types moved onto the current mesh when it was typed on another presentation of the ranks."""
+    mesh = current_mesh()
+    if mesh is None or types.space is None or types.space is mesh.space:
+        return types
+    found = move_types(types, mesh.space)
+    if isinstance(found, str):
+        raise SpmdTypeError(
+            Rejection(
+                f"{opname}'s input is typed on another mesh and cannot be moved onto the current one: {found}.",
+                [("input", format_tensor_type(x, types)),
+                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
+                ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks"],
+            ),
+            user_source_line(),
+        )
+    return found[0]
 
 
 def _call_text(opname: str, comm: AxisComm, src: SpmdType, dst: SpmdType) -> str:
@@ -246,7 +291,7 @@ def _reject_transition(op: str, opname: str, comm: AxisComm, src: SpmdType, dst:
     if op in _PRE_REDUCE:
         pairs = pairs + [(V, d) for s, d in pairs if s is P]  # src=V: reinterpret V -> P first
     shown = ", ".join(f"{s} -> {d}" for s, d in pairs)
-    fix = route_call("x", comm.names[0], src, dst)
+    fix = route_call("x", comm.first_name, src, dst)
     raise SpmdTypeError(
         Rejection(
             f"{opname} cannot take src={src} to dst={dst}: seed 003's forward/backward table has no such "
@@ -357,7 +402,8 @@ def type_result(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> torch.Tenso
         rank_changed = x.dim() != out.dim()
     if rank_changed:
         # A stack or unbind moves every dim: an S(d) on another axis now names the wrong dim.
-        types = TypeMap.of((a, V if (t.is_varying and a not in begun.comm.names) else t) for a, t in types.items)
+        types = TypeMap.of(((a, V if (t.is_varying and a not in begun.comm.names) else t) for a, t in types.items),
+                           types.space)
     with _DisableTF():
         out_ndim = out.dim()
     spec = _global_spec(begun, x, out_ndim) if STATE.global_mode else None

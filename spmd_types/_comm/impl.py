@@ -27,17 +27,29 @@ _c10d = torch.ops._c10d_functional
 
 
 class AxisComm(NamedTuple):
-    """One (possibly flattened) mesh axis: its names, process group, group name and size."""
+    """One (possibly flattened) mesh axis: the typed axes it runs over, process group, group name and size.
+
+    ``names`` are the axes whose types the op changes: none for a group of one
+    rank (an identity in types). ``shown`` is how the user named the axis, when
+    that differs (an axis of size 1, a group outside the mesh).
+    """
 
     names: tuple[str, ...]
     group: dist.ProcessGroup
     group_name: str
     size: int
+    shown: tuple[str, ...] | None = None
 
     @property
     def label(self) -> str:
         """``'tp'`` or ``('dp', 'tp')``, as the user would write it."""
-        return f"'{self.names[0]}'" if len(self.names) == 1 else "(" + ", ".join(f"'{n}'" for n in self.names) + ")"
+        names = self.shown if self.shown is not None else self.names
+        return f"'{names[0]}'" if len(names) == 1 else "(" + ", ".join(f"'{n}'" for n in names) + ")"
+
+    @property
+    def first_name(self) -> str:
+        """The axis to name in a fix."""
+        return (self.names or self.shown or ("axis",))[0]
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ class _CheckState(threading.local):
     local_axes: frozenset = frozenset()
     # axes an explicit-partial op (spmd.sum(..., out_partial_axes=)) is about to make P
     out_partial: frozenset = frozenset()
-    # set by the rules when the last inference accepted a mix of I only because some operands carry no gradient
-    gradient_free: bool = False
+    # set by the rules when the last inference depended on more than the operand types (a gradient-free mix of I,
+    # an operand moved onto the current mesh): its result is not cached by types
+    uncacheable: bool = False
 
 
 STATE = _CheckState()

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import torch
 
 from .._core.errors import Rejection
+from .._core.mesh import current_mesh
+from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import I, P, R, SpmdType, TypeMap, V
 from .op_registry import OpEntry
@@ -165,6 +167,9 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
         for op in operands:
             if op.is_tensor and op.types is WEAK:
                 return _strict_rejection(entry, op, typed[0])
+    moved = _onto_one_mesh(entry, typed)
+    if moved is not None:
+        return moved
     axes: list[str] = []
     for op in typed:
         for a in op.types.axes():  # type: ignore[union-attr]
@@ -177,7 +182,7 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
         first = typed[0].types
         assert isinstance(first, TypeMap)
         if row.kind is RuleKind.FACTORY and not _fill_is_zero(entry, args, kwargs):
-            return TypeMap.of((a, R if t is P else t) for a, t in first.items)
+            return TypeMap.of(((a, R if t is P else t) for a, t in first.items), first.space)
         return first
     zero_fill = _fill_is_zero(entry, args, kwargs)
     terms, others = _structure(entry, bound, zero_fill)
@@ -194,8 +199,42 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
         if result is not None:
             out.append((axis, result))
     if relaxed:
-        STATE.gradient_free = True  # accepted only because some operands carry no gradient: not cacheable by types
-    return TypeMap.of(out)
+        STATE.uncacheable = True  # accepted only because some operands carry no gradient: not cacheable by types
+    return TypeMap.of(out, next((op.types.space for op in typed if op.types.space is not None), None))
+
+
+# ---------------------------------------------------------------------------
+# operands typed on different presentations of the ranks (a dense and an expert mesh)
+
+
+def _onto_one_mesh(entry: OpEntry, typed: list[Operand]) -> Rejection | None:
+    """Move operands typed on another mesh onto the current one (``reinterpret_mesh``'s rule), or refuse.
+
+    Only when the spaces differ; the result then depends on the current mesh,
+    so it is not cached by types.
+    """
+    spaces = {op.types.space for op in typed if op.types.space is not None}  # type: ignore[union-attr]
+    if len(spaces) <= 1:
+        return None
+    mesh = current_mesh()
+    target = mesh.space if mesh is not None else typed[0].types.space  # type: ignore[union-attr]
+    STATE.uncacheable = True
+    for op in typed:
+        have = op.types
+        if have.space is None or have.space is target:  # type: ignore[union-attr]
+            continue
+        found = move_types(have, target)  # type: ignore[arg-type]
+        if isinstance(found, str):
+            return Rejection(
+                f"{entry.display} mixes tensors typed on different meshes, and {op.label} cannot be moved onto the "
+                f"current mesh: {found}.",
+                [("op", entry.display), ("operands", "\n".join(f"{o.label}: {o.shown()}" for o in typed)),
+                 ("current mesh", ", ".join(f"{n}={r!r}" for n, r in target.pairs))],  # type: ignore[union-attr]
+                [f"spmd.reinterpret_mesh({op.label}, mesh) onto a mesh over the same ranks, or type the operands "
+                 "under one `spmd.set_current_mesh(mesh)`"],
+            )
+        op.types = found[0]
+    return None
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""``reinterpret_mesh``: the same tensor, typed on another presentation of the same ranks.
+
+A dense mesh ``(dp, cp, tp)`` and an expert mesh ``(edp, ep, etp)`` can run
+over the same ranks; a flattened ``dp_cp`` is ``(dp, cp)`` taken together. A
+type moves between them by ``_core/spaces.py``'s rule (matching regions keep
+their type; the rest flatten group by group, one type per group). No data
+changes and nothing communicates, forward or backward: the gradient's type
+moves back the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._checker.tensor import _DisableTF, make_typed
+from .._core.axes import MeshAxis
+from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._core.mesh import Mesh, current_mesh
+from .._core.spaces import GroupMove, move_types
+from .._core.state import STATE
+from .._core.types import Space
+
+__all__ = ["reinterpret_mesh", "space_of"]
+
+
+def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
+    """``x`` retyped onto ``mesh`` (default: the current mesh), a presentation of the same ranks.
+
+    ``mesh`` is a ``DeviceMesh``, a ``{name: ProcessGroup}`` or ``{name: MeshAxis}``
+    dict, or a collection of ``MeshAxis`` (``spmd.current_mesh()``). Axes over
+    the same ranks keep their type; the others must flatten into each other
+    group by group with one type per group, else ``SpmdTypeError``. Outside
+    :func:`typecheck` (or on a plain tensor) ``x`` comes back unchanged.
+
+    Example::
+
+        with spmd.set_current_mesh(expert_mesh):     # (edp, ep) over the ranks of (dp, tp)
+            tokens = spmd.reinterpret_mesh(tokens, spmd.current_mesh())
+    """
+    types = getattr(x, "_spmd_types", None)
+    if not STATE.checking or types is None:
+        return x
+    target = space_of(mesh)
+    found = move_types(types, target)
+    if isinstance(found, str):
+        raise SpmdTypeError(
+            Rejection(
+                f"spmd.reinterpret_mesh: the tensor's type cannot move onto the target mesh: {found}.",
+                [("types", types.format()), ("target", ", ".join(f"{n}={r.layout()}" for n, r in target.pairs))],
+                ["convert the axes that block the move to one type per flattened group first"],
+            ),
+            user_source_line(),
+        )
+    moved, groups = found
+    if moved is types:
+        return x
+    spec = getattr(x, "_spmd_spec", None)
+    out = make_typed(x, moved)
+    if spec is not None:
+        out._spmd_spec = _move_spec(spec, groups)
+    return out
+
+
+def space_of(mesh: Any) -> Space:
+    """The space (names and regions) of a mesh given in any form ``set_current_mesh`` takes; None: the current."""
+    current = current_mesh()
+    if mesh is None:
+        if current is None:
+            raise RuntimeError("spmd.reinterpret_mesh needs a mesh, or a current mesh")
+        return current.space
+    if isinstance(mesh, Mesh):
+        return mesh.space
+    if current is not None and isinstance(mesh, (frozenset, set)) and all(isinstance(a, MeshAxis) for a in mesh):
+        if {a for a in mesh if a.size() > 1} == {current.region(n) for n in current.typed_axes}:
+            return current.space  # spmd.current_mesh(): keep the current mesh's names
+    return Mesh.from_user(mesh).space
+
+
+def _move_spec(spec: tuple, groups: list[GroupMove]) -> tuple:
+    """A partition spec with each moved group's axes replaced, where they appear together and in order."""
+    rename = {src: dst for src, dst in groups}
+    out = []
+    for entry in spec:
+        names, i, new = list(entry), 0, []
+        while i < len(names):
+            for src, dst in rename.items():
+                if tuple(names[i:i + len(src)]) == src:
+                    new.extend(dst)
+                    i += len(src)
+                    break
+            else:
+                raise SpmdTypeError(
+                    Rejection(
+                        "spmd.reinterpret_mesh: a dim's sharding splits a group of axes that moves as one.",
+                        [("spec", str(spec)), ("groups", ", ".join(f"{s} -> {d}" for s, d in rename.items()))],
+                        ["gather the dim first, or shard it on the whole group in order"],
+                    ),
+                    user_source_line(),
+                )
+        out.append(tuple(new))
+    with _DisableTF():
+        return tuple(out)
