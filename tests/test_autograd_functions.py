@@ -252,7 +252,7 @@ def test_transparent_forward_is_checked_op_by_op(tp4):
     "kwargs,err,message",
     [
         ({}, TypeError, "register_autograd_function takes exactly one of local=True, op=... (with axis, src, dst), "
-                        "rule=... or transparent=True; got none"),
+                        "rule=... or transparent=True; got none; or give CopyToRegion a typecheck_forward staticmethod"),
         ({"local": True, "rule": len}, TypeError, "register_autograd_function takes exactly one of local=True, "
          "op=... (with axis, src, dst), rule=... or transparent=True; got local, rule"),
         ({"op": "all_reduce", "src": P, "dst": R}, TypeError, "register_autograd_function: op=... needs axis= (a mesh "

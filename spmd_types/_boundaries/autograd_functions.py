@@ -39,8 +39,10 @@ from .._guards.function_guard import ALLOWED
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
+from .decomposition import decomposed_apply
 
-__all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function"]
+__all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function",
+           "register_local_autograd_function", "register_decomposition"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _FUNCTION_BASE_APPLY = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
@@ -49,7 +51,7 @@ _FUNCTION_BASE_APPLY = torch.autograd.Function.apply.__func__  # type: ignore[at
 class Registration(NamedTuple):
     """What a registered Function claims to do."""
 
-    kind: str  # "local", "op", "rule" or "transparent"
+    kind: str  # "local", "op", "rule", "transparent", "typecheck_forward" or "decomposition" (rule = ref_impl)
     op: str | None = None
     axis: Any = None
     src: SpmdType | None = None
@@ -97,13 +99,22 @@ def register_autograd_function(
         class FusedGelu(torch.autograd.Function):
             ...
     """
-    reg = _registration(local, op, axis, src, dst, reduce, rule, transparent)
+    if (cls is not None and not (local or transparent) and op is None and rule is None
+            and callable(getattr(cls, "typecheck_forward", None))):
+        reg = Registration("typecheck_forward")  # the published API: the class types itself
+    else:
+        reg = _registration(local, op, axis, src, dst, reduce, rule, transparent, cls)
     if cls is None:
         return lambda c: register_autograd_function(
             c, local=local, op=op, axis=axis, src=src, dst=dst, reduce=reduce, rule=rule, transparent=transparent
         )
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(f"register_autograd_function takes a torch.autograd.Function subclass, got {cls!r}")
+    _install(cls, reg)
+    return cls
+
+
+def _install(cls: type, reg: Registration) -> None:
     with _LOCK:
         previous = _REGISTRY.get(cls)
         own = cls.__dict__.get("apply")
@@ -114,7 +125,6 @@ def register_autograd_function(
             cls.apply = classmethod(_typed_apply)  # type: ignore[method-assign]
         _REGISTRY[cls] = reg._replace(original_apply=original)
         ALLOWED[cls] = reg.kind
-    return cls
 
 
 def unregister_autograd_function(cls: type) -> None:
@@ -135,13 +145,15 @@ def registration_of(cls: type) -> Registration | None:
     return _REGISTRY.get(cls)
 
 
-def _registration(local, op, axis, src, dst, reduce, rule, transparent) -> Registration:
+def _registration(local, op, axis, src, dst, reduce, rule, transparent, cls=None) -> Registration:
     given = [name for name, on in (("local", local), ("op", op is not None), ("rule", rule is not None),
                                    ("transparent", transparent)) if on]
     if len(given) != 1:
+        own = (f"; or give {cls.__name__} a typecheck_forward staticmethod"
+               if isinstance(cls, type) and not given else "")
         raise TypeError(
             "register_autograd_function takes exactly one of local=True, op=... (with axis, src, dst), rule=... "
-            f"or transparent=True; got {', '.join(given) or 'none'}"
+            f"or transparent=True; got {', '.join(given) or 'none'}{own}"
         )
     kind = given[0]
     if kind != "op":
@@ -187,6 +199,11 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return _original_apply(cls, reg, args, kwargs)
     if reg.kind == "op":
         return _apply_as_op(cls, reg, args, kwargs)
+    if reg.kind == "typecheck_forward":
+        return _apply_typecheck_forward(cls, reg, args, kwargs)
+    if reg.kind == "decomposition":
+        return decomposed_apply(cls, reg.rule, lambda a, k: _original_apply(cls, reg, _plain(a), _plain_kw(k)),
+                                args, kwargs)
     if reg.kind == "rule":
         out_types = _rule_types(cls, reg, args)
     else:
@@ -194,6 +211,72 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     _refuse_global(cls)
     out = _original_apply(cls, reg, _plain(args), {k: _plain(v) for k, v in kwargs.items()})
     return _type_outputs(cls, out, out_types)
+
+
+class _Inside(threading.local):
+    classes: tuple = ()
+
+
+_INSIDE = _Inside()
+
+
+def _apply_typecheck_forward(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
+    """The class types itself: ``typecheck_forward`` asserts its inputs, calls ``apply``, asserts its outputs.
+
+    Its own ``apply`` call runs the Function on plain aliases of the inputs, so
+    the outputs come back untyped and ``typecheck_forward``'s asserts type them.
+    """
+    if cls in _INSIDE.classes:
+        return _original_apply(cls, reg, _plain(args), _plain_kw(kwargs))
+    _INSIDE.classes = _INSIDE.classes + (cls,)
+    try:
+        return cls.typecheck_forward(*args, **kwargs)
+    finally:
+        _INSIDE.classes = _INSIDE.classes[:-1]
+
+
+def _plain_kw(kwargs: Mapping[str, Any]) -> dict:
+    return {k: _plain(v) for k, v in kwargs.items()}
+
+
+def register_local_autograd_function(cls: type) -> type:
+    """Register a Function that does no communication: the standard rule types it (``local=True``).
+
+    The published API's name for ``register_autograd_function(cls, local=True)``; usable as a decorator.
+
+    Example::
+
+        @spmd.register_local_autograd_function
+        class FusedSwiGLU(torch.autograd.Function):
+            ...
+    """
+    return register_autograd_function(cls, local=True)
+
+
+def register_decomposition(cls: type, ref_impl: Callable[..., Any] | None = None) -> Any:
+    """Type a fused-kernel Function by a plain-torch reference implementation of it.
+
+    Under checking, ``ref_impl`` runs on meta copies of the arguments (typed
+    like them, so every op in it is checked and typed), the Function runs for
+    real on plain aliases, and its outputs get the reference's output types.
+    Sound when the Function's backward is the true derivative of ``ref_impl``
+    and it communicates nothing itself. Returns ``ref_impl``; with one argument,
+    a decorator for it.
+
+    Example::
+
+        @spmd.register_decomposition(FusedRoPE)
+        def rope_reference(x, cos, sin):
+            return x * cos + rotate_half(x) * sin
+    """
+    if ref_impl is None:
+        return lambda f: register_decomposition(cls, f)
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(f"register_decomposition takes a torch.autograd.Function subclass, got {cls!r}")
+    if not callable(ref_impl):
+        raise TypeError(f"register_decomposition: the reference implementation must be callable, got {ref_impl!r}")
+    _install(cls, Registration("decomposition", rule=ref_impl))
+    return ref_impl
 
 
 def _any_typed(args: tuple, kwargs: Mapping[str, Any]) -> bool:

@@ -1,39 +1,63 @@
-"""local_map: run a function in local SPMD (partition specs forgotten) inside a global SPMD program.
+"""local_map and local(): run code in local SPMD (partition specs forgotten) inside a global SPMD program.
 
-Types are checked on entry (against ``in_types``) and on exit (against
-``out_types``); the outputs then carry the declared global types, partition
-specs included. Gradients follow by duality: an input declared R gets a P
-gradient, and so on.
+``local_map`` checks types on entry (against ``in_types``, unless they are
+``Infer``) and on exit (against ``out_types``); the outputs then carry the
+declared global types, partition specs included. Gradients follow by duality:
+an input declared R gets a P gradient, and so on. ``local()`` is the same
+switch for a block of code, with no boundary checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from .._checker.asserts import assert_type, type_declared_outputs
+import torch
+
+from .._checker.asserts import assert_type, declared_leaf, type_declared_outputs
 from .._core.dtensor_hook import interop, is_dtensor
-from .._core.mesh import Axis, require_mesh, resolve_axis
+from .._core.mesh import Axis, require_mesh, resolve_axes
 from .._core.state import STATE
-from .._core.types import SpmdType
+from .._core.types import PartitionSpec, SpmdType
 
-__all__ = ["local_map"]
+__all__ = ["local_map", "local", "Infer"]
 
 TypeDict = Mapping[Axis, SpmdType]
+
+
+class _InferType:
+    """``in_types=Infer`` (the default): inputs enter as typed by the caller, unchecked at the boundary."""
+
+    _instance: _InferType | None = None
+
+    def __new__(cls) -> _InferType:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "Infer"
+
+
+Infer = _InferType()
 
 
 def local_map(
     fn: Callable[..., Any] | None = None,
     *,
-    in_types: Sequence[TypeDict | None],
-    out_types: TypeDict | Sequence[TypeDict | None],
+    in_types: Sequence[Any] | _InferType = Infer,
+    out_types: Any,
     axes: Iterable[Axis] | None = None,
 ) -> Any:
     """Run ``fn`` in local SPMD on ``axes`` (default: every axis), checking types at its edges.
 
-    ``in_types`` has one type dict per positional argument (``None`` skips one;
-    ``S(d)`` says how a V input reassembles); ``out_types`` is one dict, or one
-    per output. Outside :func:`spmd_types.typecheck` it is just ``fn``.
+    ``in_types`` has one declaration per positional argument (``None`` skips one),
+    or is ``Infer`` (the default: inputs keep the types they came with, unchecked);
+    ``out_types`` is one declaration, or one per output. A declaration is a type
+    dict (``S(d)`` says how a V value reassembles), a ``PartitionSpec``, or a
+    ``(types, PartitionSpec)`` pair; a list of tensors takes a list of them.
+    Outside :func:`spmd_types.typecheck` it is just ``fn``.
 
     Example::
 
@@ -48,47 +72,93 @@ def local_map(
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if any(is_dtensor(a) for a in args):
+                if in_types is Infer:
+                    raise NotImplementedError("local_map on DTensor arguments needs in_types (Infer is not built "
+                                              "for DTensors): declare one per positional argument")
                 return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
             if not STATE.checking:
                 return f(*args, **kwargs)
             mesh = require_mesh("local_map")
-            offset = len(args) - len(in_types)
-            if offset < 0:
-                raise TypeError(f"local_map({f.__qualname__}): {len(in_types)} in_types for {len(args)} arguments")
-            args = tuple(args[:offset]) + tuple(
-                a if spec is None else assert_type(a, spec) for a, spec in zip(args[offset:], in_types)
-            )
-            inner = frozenset(mesh.axis_names) if axes is None else frozenset(resolve_axis(a) for a in axes)
-            saved = (STATE.global_mode, STATE.local_axes)
-            STATE.local_axes = saved[1] | inner
-            STATE.global_mode = saved[0] and bool(set(mesh.axis_names) - STATE.local_axes)
-            try:
+            if in_types is not Infer:
+                args = _enter(f.__qualname__, args, in_types)
+            inner = None if axes is None else [a for ax in axes for a in resolve_axes(ax)]
+            with _local_on(mesh, inner):
                 out = f(*args, **kwargs)
-            finally:
-                STATE.global_mode, STATE.local_axes = saved
-            return _exit(f.__qualname__, out, out_types)
+            return type_declared_outputs("local_map", f.__qualname__, out, out_types)
 
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
 
 
+@contextlib.contextmanager
+def local() -> Iterator[None]:
+    """Check the block in local SPMD on every axis (partition specs forgotten); a no-op when not checking.
+
+    For code that global SPMD cannot follow (data-dependent shapes, manual
+    sharding, a custom kernel) inside a ``typecheck(local=False)`` program.
+    Unlike :func:`local_map`, nothing is checked or retyped at the edges.
+
+    Example::
+
+        with spmd.local():
+            scores = attention_kernel(q, k, v)
+    """
+    if not STATE.checking:
+        yield
+        return
+    with _local_on(require_mesh("spmd.local"), None):
+        yield
+
+
+@contextlib.contextmanager
+def _local_on(mesh: Any, names: list[str] | None) -> Iterator[None]:
+    inner = frozenset(mesh.typed_axes) if names is None else frozenset(names)
+    saved = (STATE.global_mode, STATE.local_axes)
+    STATE.local_axes = saved[1] | inner
+    STATE.global_mode = saved[0] and bool(set(mesh.typed_axes) - STATE.local_axes)
+    try:
+        yield
+    finally:
+        STATE.global_mode, STATE.local_axes = saved
+
+
+def _enter(name: str, args: tuple, in_types: Sequence[Any]) -> tuple:
+    offset = len(args) - len(in_types)
+    if offset < 0:
+        raise TypeError(f"local_map({name}): {len(in_types)} in_types for {len(args)} arguments")
+    return tuple(args[:offset]) + tuple(_assert_declared(a, spec) for a, spec in zip(args[offset:], in_types))
+
+
+def _assert_declared(a: Any, spec: Any) -> Any:
+    if spec is None:
+        return a
+    leaf = declared_leaf(spec)
+    if leaf is not None and isinstance(a, torch.Tensor):
+        return assert_type(a, leaf[0], leaf[1])
+    if isinstance(a, (list, tuple)) and isinstance(spec, (list, tuple)) and len(a) == len(spec):
+        return type(a)(_assert_declared(x, s) for x, s in zip(a, spec))
+    if leaf is not None:
+        raise TypeError(f"local_map: an argument declared {spec!r} is a {type(a).__name__}, not a tensor")
+    raise TypeError(f"local_map: the declaration {spec!r} does not match the argument's structure "
+                    f"({type(a).__name__})")
+
+
 def _check_declarations(in_types: Any, out_types: Any) -> None:
-    """``in_types``: a sequence of type dicts (or None); ``out_types``: a type dict, or a sequence of them."""
-    if isinstance(in_types, (Mapping, str)) or not isinstance(in_types, Sequence):
+    """``in_types``: Infer, or a sequence of declarations (or None); ``out_types``: one, or a sequence of them."""
+    if in_types is not Infer and (isinstance(in_types, (Mapping, str, PartitionSpec))
+                                  or not isinstance(in_types, Sequence)):
         raise TypeError(
             "local_map: in_types takes one type dict (or None) per positional argument, e.g. "
             f"[{{'tp': spmd.R}}]; got {in_types!r}"
         )
-    entries = [("in_types", i, d) for i, d in enumerate(in_types)]
-    if not isinstance(out_types, Mapping):
+    entries = [] if in_types is Infer else [("in_types", i, d) for i, d in enumerate(in_types)]
+    if declared_leaf(out_types) is None:
         if isinstance(out_types, str) or not isinstance(out_types, Sequence):
             raise TypeError(f"local_map: out_types takes a type dict, or one (or None) per output; got {out_types!r}")
         entries += [("out_types", i, d) for i, d in enumerate(out_types)]
     for what, i, d in entries:
-        if d is not None and not isinstance(d, Mapping):
+        if d is Infer:
+            raise TypeError(f"local_map: {what}[{i}] is Infer; only in_types as a whole may be Infer")
+        if d is not None and declared_leaf(d) is None and not isinstance(d, (list, tuple)):
             raise TypeError(f"local_map: {what}[{i}] must be a type dict {{axis: type}} or None, got {d!r}")
-
-
-def _exit(name: str, out: Any, out_types: TypeDict | Sequence[TypeDict | None]) -> Any:
-    return type_declared_outputs("local_map", name, out, out_types)

@@ -24,7 +24,8 @@ from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .tensor import make_typed, type_in_place
 
-__all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking"]
+__all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking",
+           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like"]
 
 T = TypeVar("T")
 TypeSpec = Mapping[Axis, SpmdType]
@@ -185,6 +186,11 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         refuse_compile()
     if isinstance(t, (list, tuple)):
         return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
+    if isinstance(types, SpmdType):  # one type for every axis of the current mesh
+        mesh = current_mesh()
+        if mesh is None:
+            raise RuntimeError(f"assert_type(x, spmd.{types}) types every axis of the current mesh, and none is current")
+        types = {a: types for a in mesh.typed_axes}
     if isinstance(t, torch.nn.Module):
         if partition_spec is not None:
             raise TypeError("assert_type on a module types every parameter alike: pass no partition_spec")
@@ -284,6 +290,57 @@ def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
             "assert_type",
             ("x", "types"),
         )
+
+
+def get_local_type(t: Any) -> dict[str, SpmdType]:
+    """The published API's view of a tensor's type: ``{axis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
+
+    Axes of size 1 carry no type and do not appear. The layout of V axes is the
+    partition spec (:func:`get_partition_spec`).
+
+    Example::
+
+        out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
+    """
+    types = getattr(t, "_spmd_types", None)
+    if types is None:
+        return {}
+    return {a: (V if ty.is_varying else ty) for a, ty in types.items}
+
+
+def has_local_type(t: Any) -> bool:
+    """True when ``t`` carries an SPMD type."""
+    return getattr(t, "_spmd_types", None) is not None
+
+
+def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
+    """``assert_type(t, source's types with overrides, source's partition spec)``, in place.
+
+    Example::
+
+        out = all_gather_into(buf, x)
+        spmd.assert_type_like(out, x, {"tp": spmd.R})
+    """
+    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, get_partition_spec(source))
+
+
+def assert_local_type(t: T, types: TypeSpec) -> T:
+    """The published API's older name for :func:`assert_type` without a partition spec."""
+    return assert_type(t, types)
+
+
+def assert_local_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
+    """Like :func:`assert_type_like`, without the source's partition spec."""
+    return assert_type(t, {**_local_or_shards(source), **(overrides or {})})
+
+
+def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
+    types = getattr(source, "_spmd_types", None)
+    if types is None:
+        if STATE.checking:
+            raise TypeError("assert_type_like: the source tensor is untyped; type it first")
+        return {}
+    return dict(types.items)
 
 
 def get_partition_spec(t: Any) -> PartitionSpec | None:
@@ -407,23 +464,43 @@ def attach_boundary(
 # outputs of a region with declared types (local_map, no_typecheck)
 
 
+def declared_leaf(spec: Any) -> tuple[Mapping, Any] | None:
+    """A declared type for one tensor as ``(types, partition spec)``: a type dict, a PartitionSpec, or both as a pair.
+
+    None for anything else (a sequence of declarations, say).
+    """
+    if isinstance(spec, Mapping):
+        return spec, None
+    if isinstance(spec, PartitionSpec):
+        return {}, spec
+    if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], Mapping) and (
+            spec[1] is None or isinstance(spec[1], (PartitionSpec, tuple))):
+        return spec[0], spec[1]
+    return None
+
+
 def type_declared_outputs(who: str, name: str, out: Any, out_types: Any) -> Any:
-    """Give a region's outputs their declared types: one type dict, or one (or None) per output.
+    """Give a region's outputs their declared types: one declaration, or one (or None) per output.
 
     ``who`` is how messages name the region (``local_map``, ``spmd.no_typecheck``).
+    A declaration is a type dict, a PartitionSpec, or a ``(types, PartitionSpec)``
+    pair; the output's structure says which (a tensor takes one declaration).
     A typed value that passed through the body must already be what is declared.
     """
-    if isinstance(out_types, Mapping):
-        return _type_declared(who, name, 0, out, out_types)
+    leaf = declared_leaf(out_types)
+    if leaf is not None and (isinstance(out, torch.Tensor) or isinstance(out_types, Mapping)):
+        return _type_declared(who, name, 0, out, leaf)
     if not isinstance(out, (tuple, list)) or len(out) != len(out_types):
         raise TypeError(f"{who}({name}): {len(out_types)} out_types for the {type(out).__name__} it returned")
-    return type(out)(o if t is None else _type_declared(who, name, i, o, t) for i, (o, t) in enumerate(zip(out, out_types)))
+    return type(out)(o if t is None else (type_declared_outputs(who, name, o, t) if declared_leaf(t) is None
+                                          else _type_declared(who, name, i, o, declared_leaf(t)))
+                     for i, (o, t) in enumerate(zip(out, out_types)))
 
 
-def _type_declared(who: str, name: str, index: int, out: Any, declared: Mapping) -> torch.Tensor:
+def _type_declared(who: str, name: str, index: int, out: Any, declared: tuple[Mapping, Any]) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{who}({name}): output {index} is a {type(out).__name__}, not a tensor")
-    want, spec = _placed(out, declared, None)
+    want, spec = _placed(out, declared[0], declared[1])
     have: TypeMap | None = getattr(out, "_spmd_types", None)
     if have is not None:
         for axis, w in want.items:
