@@ -8,21 +8,47 @@ collectives whose backward is chosen by type.
     import spmd_types as spmd
 """
 
-from ._boundaries.autograd_functions import register_autograd_function, unregister_autograd_function
+from ._boundaries.autograd_functions import (
+    register_autograd_function,
+    register_decomposition,
+    register_local_autograd_function,
+    unregister_autograd_function,
+)
 from ._boundaries.checkpoint import check_state_dict, load_state_dict
 from ._boundaries.ddp import register_ddp
-from ._boundaries.local_map import local_map
+from ._boundaries.local_map import Infer, local, local_map
 from ._boundaries.no_typecheck import no_typecheck
 from ._boundaries.scalar import Scalar
-from ._checker.asserts import assert_type, attach_boundary, get_partition_spec, get_type, is_checking, typecheck, typed_boundary
+from ._checker.asserts import (
+    assert_local_type,
+    assert_local_type_like,
+    assert_type,
+    assert_type_like,
+    attach_boundary,
+    get_local_type,
+    get_partition_spec,
+    get_type,
+    has_local_type,
+    is_checking,
+    typecheck,
+    typed_boundary,
+)
+from ._checker.mutate import mutate_type
 from ._checker.tensor import LTensor
+from ._checker.trace import trace
 from ._comm import raw_collectives as _raw_collectives  # noqa: F401 - types raw torch.distributed collectives on typed tensors
+from ._comm.aliases import invariant_to_replicate, shard, unshard
 from ._comm.axis_index import axis_index
 from ._comm.collectives import all_gather, all_reduce, all_to_all, redistribute, reduce_scatter
 from ._comm.redistribute_spec import plan_redistribute
 from ._comm.reinterpret_convert import convert, reinterpret
+from ._comm.reinterpret_mesh import reinterpret_mesh
+from ._core.axes import MeshAxis
 from ._core.errors import SpmdTypeError
-from ._core.mesh import set_current_mesh
+from ._core.mesh import current_mesh_all_names, current_mesh_names, set_current_mesh
+from ._core.mesh import current_mesh_axes as current_mesh
+from ._core.state import TYPE_CHECKING, is_type_checking
+from ._core.tracebacks import traceback_filtering
 from ._core.types import (
     I,
     Invariant,
@@ -40,6 +66,20 @@ from ._core.types import (
 )
 from ._global.explicit import einsum, linear, matmul, sum
 from ._local.rules_table import RuleKind
+from .types import (
+    DeviceMeshAxis,
+    DimSharding,
+    LocalSpmdType,
+    PartitionSpecEntry,
+    PerMeshAxisLocalSpmdType,
+    PerMeshAxisSpmdType,
+    PerMeshAxisSpmdTypes,
+    TensorSharding,
+    format_axis,
+    normalize_axis,
+    normalize_mesh,
+    normalize_partition_spec,
+)
 
 __all__ = [
     "R", "I", "V", "P", "S", "Replicate", "Invariant", "Varying", "Partial", "Shard",
@@ -51,13 +91,23 @@ __all__ = [
     "register_ddp",
     "axis_index", "Scalar", "no_typecheck", "check_state_dict", "load_state_dict",
     "register_autograd_function", "unregister_autograd_function",
+    # the published spmd_types API (torchtitan's), beside our own names
+    "is_type_checking", "TYPE_CHECKING", "current_mesh", "current_mesh_names", "current_mesh_all_names", "MeshAxis",
+    "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
+    "mutate_type", "local", "Infer", "reinterpret_mesh", "shard", "unshard", "invariant_to_replicate",
+    "register_local_autograd_function", "register_decomposition", "trace", "traceback_filtering",
+    "PerMeshAxisSpmdType", "PerMeshAxisLocalSpmdType", "TensorSharding", "normalize_axis", "normalize_mesh",
+    "normalize_partition_spec", "format_axis",
 ]
+# The published API's type-hint aliases (PerMeshAxisSpmdTypes, LocalSpmdType, DeviceMeshAxis, PartitionSpecEntry,
+# DimSharding) are importable here and documented in spmd_types.types; typing aliases carry no docstring of their own.
 
 # DTensor interop (spmd_types/interop): loaded on first use, so `import spmd_types` never imports DTensor.
 _INTEROP = {
     "Reduced": "placements", "is_reduced": "placements", "placement_to_type": "placements",
     "type_to_placement": "placements", "placement_to_cotangent": "placements", "spec_to_cotangent": "placements",
     "from_dtensor": "bridge", "to_dtensor": "bridge",
+    "spmd_type_to_dtensor_placement": "published", "dtensor_placement_to_spmd_type": "published",
 }
 __all__ += list(_INTEROP)
 
@@ -69,3 +119,17 @@ def __getattr__(name: str):
     import importlib
 
     return getattr(importlib.import_module(f".integrations.dtensor.{module}", __name__), name)
+
+
+def _hide_own_frames() -> None:
+    """pytest and IPython show an SpmdTypeError's traceback without the package's frames (see _core/tracebacks.py)."""
+    import sys
+
+    from ._core.tracebacks import hide_frames
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith(__name__ + ".") and module is not None:
+            module.__tracebackhide__ = hide_frames
+
+
+_hide_own_frames()

@@ -35,6 +35,7 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _run_swapped,
     _swap_to_base,
 )
+from .trace import log_op
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
@@ -150,6 +151,8 @@ def _typed_call(func, args, kwargs):
         out_types = _infer_or_raise(func, args, kwargs)
         if not STATE.uncacheable:  # a gradient-free acceptance depends on more than types: not cached
             cache[key] = out_types
+    if STATE.tracing:
+        log_op(entry_for(func).display, list(args) + list(kwargs.values()), out_types)
     if STATE.global_mode and out_types is not None:
         try:
             out = _run(func, args, kwargs)

@@ -278,6 +278,29 @@ def current_mesh() -> Mesh | None:
     return stack[-1] if stack else None
 
 
+def current_mesh_axes() -> frozenset[MeshAxis] | None:
+    """The published API's ``spmd.current_mesh()``: the current mesh's axes of more than one rank, or None.
+
+    Example::
+
+        tokens = spmd.reinterpret_mesh(tokens, spmd.current_mesh())
+    """
+    mesh = current_mesh()
+    return None if mesh is None else frozenset(mesh.region(n) for n in mesh.typed_axes)
+
+
+def current_mesh_names() -> dict[str, MeshAxis] | None:
+    """``{name: MeshAxis}`` for the current mesh's axes of more than one rank, or None."""
+    mesh = current_mesh()
+    return None if mesh is None else {n: mesh.region(n) for n in mesh.typed_axes}
+
+
+def current_mesh_all_names() -> dict[str, MeshAxis] | None:
+    """``{name: MeshAxis}`` for every axis of the current mesh (size 1 included), or None."""
+    mesh = current_mesh()
+    return None if mesh is None else {n: mesh.region(n) for n in mesh.axis_names}
+
+
 def mesh_stack() -> tuple[Mesh, ...]:
     """Every mesh set on this thread, outermost first."""
     return tuple(_MESHES.stack)

@@ -2,22 +2,54 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
-__all__ = ["STATE"]
+__all__ = ["STATE", "is_type_checking", "TYPE_CHECKING"]
 
 
 class _CheckState(threading.local):
-    checking: bool = False
-    strict: bool = False
-    # global SPMD: on, with these axes left in local SPMD
-    global_mode: bool = False
-    local_axes: frozenset = frozenset()
-    # axes an explicit-partial op (spmd.sum(..., out_partial_axes=)) is about to make P
-    out_partial: frozenset = frozenset()
-    # set by the rules when the last inference depended on more than the operand types (a gradient-free mix of I,
-    # an operand moved onto the current mesh): its result is not cached by types
-    uncacheable: bool = False
+    def __init__(self) -> None:
+        # Set on every thread's own instance (not read from class defaults): torch.compile guards on
+        # these reads, and a guard on a class attribute of a threading.local fails on a fresh thread.
+        self.checking = False
+        self.strict = False
+        # global SPMD: on, with these axes left in local SPMD
+        self.global_mode = False
+        self.local_axes: frozenset = frozenset()
+        # axes an explicit-partial op (spmd.sum(..., out_partial_axes=)) is about to make P
+        self.out_partial: frozenset = frozenset()
+        # set by the rules when the last inference depended on more than the operand types (a gradient-free mix
+        # of I, an operand moved onto the current mesh): its result is not cached by types
+        self.uncacheable = False
+        # spmd.trace() (or SPMD_TYPES_TRACE=1): log every checked op
+        self.tracing = os.environ.get("SPMD_TYPES_TRACE", "") == "1"
 
 
 STATE = _CheckState()
+
+
+def is_type_checking() -> bool:
+    """True inside :func:`spmd_types.typecheck` on this thread.
+
+    Example::
+
+        if spmd.is_type_checking():
+            spmd.mutate_type(counts, "tp", src=spmd.P, dst=spmd.V)
+    """
+    return STATE.checking
+
+
+class _TypeChecking:
+    """``spmd.TYPE_CHECKING``: true exactly while checking is on (``bool()`` reads the flag each time)."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return STATE.checking
+
+    def __repr__(self) -> str:
+        return f"TYPE_CHECKING({STATE.checking})"
+
+
+TYPE_CHECKING = _TypeChecking()

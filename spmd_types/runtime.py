@@ -1,0 +1,36 @@
+"""The published API's ``spmd_types.runtime``: typing tensors and the regions around them.
+
+The same functions as the top-level ``spmd_types`` names; torchtitan imports
+``get_local_type``, ``get_partition_spec`` and ``has_local_type`` from here.
+
+Example::
+
+    from spmd_types.runtime import get_local_type, has_local_type
+    if has_local_type(buf):
+        saved = get_local_type(buf)
+"""
+
+from ._boundaries.autograd_functions import (
+    register_autograd_function,
+    register_decomposition,
+    register_local_autograd_function,
+)
+from ._boundaries.local_map import Infer, local, local_map
+from ._boundaries.no_typecheck import no_typecheck
+from ._checker.asserts import (
+    assert_local_type,
+    assert_local_type_like,
+    assert_type,
+    assert_type_like,
+    get_local_type,
+    get_partition_spec,
+    has_local_type,
+)
+from ._checker.mutate import mutate_type
+from ._checker.trace import trace
+
+__all__ = [
+    "get_local_type", "get_partition_spec", "has_local_type", "assert_type", "assert_type_like",
+    "assert_local_type", "assert_local_type_like", "mutate_type", "local", "local_map", "Infer", "no_typecheck",
+    "register_autograd_function", "register_local_autograd_function", "register_decomposition", "trace",
+]
