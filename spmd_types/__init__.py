@@ -67,13 +67,13 @@ from ._core.types import (
 from ._global.explicit import einsum, linear, matmul, sum
 from ._local.rules_table import RuleKind
 from .types import (
-    DeviceMeshAxis,
-    DimSharding,
-    LocalSpmdType,
-    PartitionSpecEntry,
+    DeviceMeshAxis as DeviceMeshAxis,
+    DimSharding as DimSharding,
+    LocalSpmdType as LocalSpmdType,
+    PartitionSpecEntry as PartitionSpecEntry,
     PerMeshAxisLocalSpmdType,
     PerMeshAxisSpmdType,
-    PerMeshAxisSpmdTypes,
+    PerMeshAxisSpmdTypes as PerMeshAxisSpmdTypes,
     TensorSharding,
     format_axis,
     normalize_axis,
