@@ -68,17 +68,27 @@ from ._global.explicit import einsum, linear, matmul, sum
 from ._local.rules_table import RuleKind
 from .types import (
     DeviceMeshAxis as DeviceMeshAxis,
+)
+from .types import (
     DimSharding as DimSharding,
+)
+from .types import (
     LocalSpmdType as LocalSpmdType,
+)
+from .types import (
     PartitionSpecEntry as PartitionSpecEntry,
+)
+from .types import (
     PerMeshAxisLocalSpmdType,
     PerMeshAxisSpmdType,
-    PerMeshAxisSpmdTypes as PerMeshAxisSpmdTypes,
     TensorSharding,
     format_axis,
     normalize_axis,
     normalize_mesh,
     normalize_partition_spec,
+)
+from .types import (
+    PerMeshAxisSpmdTypes as PerMeshAxisSpmdTypes,
 )
 
 __all__ = [
