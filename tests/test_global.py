@@ -84,9 +84,10 @@ def _acc_rej():
         "F.layer_norm": (lambda: F.layer_norm(sharded((4, 8), 0), (8,)), (("tp",), ()),
                          lambda: F.layer_norm(sharded((4, 8), 1), (8,)), "normalizes over dim 1"),
         "matmul": (lambda: replicated(4, 8) @ sharded((8, 6), 1), ((), ("tp",)),
-                   lambda: sharded((4, 8), 1) @ sharded((8, 6), 0), "a contraction over a sharded dim"),
+                   lambda: (sharded((4, 8), 1) @ sharded((8, 6), 0)) * 2, "a contraction over a sharded dim"),
         "Tensor.__rmatmul__": (lambda: sharded((8, 6), 1).__rmatmul__(replicated(4, 8)), ((), ("tp",)),
-                               lambda: sharded((8, 6), 0).__rmatmul__(sharded((4, 8), 1)), "contraction over a sharded"),
+                               lambda: sharded((8, 6), 0).__rmatmul__(sharded((4, 8), 1)) * 2,
+                               "contraction over a sharded"),
         "torch.einsum": (lambda: torch.einsum("bk,nk->bn", replicated(4, 8), sharded((6, 8), 0)), ((), ("tp",)),
                          lambda: torch.einsum("bk,kn->bn", sharded((4, 8), 0), sharded((8, 6), 1)),
                          "a mesh axis can shard only one dim"),
@@ -181,11 +182,13 @@ def test_explicit_partial_over_the_wrong_axis_is_still_rejected(glob):
         spmd.linear(h, w, out_partial_axes="dp")
 
 
-def test_row_parallel_error_suggests_explicit_partial(glob):
+def test_row_parallel_plain_linear_is_a_pending_sum_to_claim(glob):
     h, w = sharded((4, 8), 1), sharded((6, 8), 1)
+    y = F.linear(h, w)  # global SPMD: the pending sum it is, unclaimed
     with pytest.raises(spmd.SpmdTypeError) as info:
-        F.linear(h, w)
-    assert info.value.fixes == ("spmd.linear(..., out_partial_axes='tp')", "spmd.all_gather(h, 'tp', src=spmd.S(1), dst=spmd.R)")
+        y + 1.0
+    assert info.value.fixes == ("spmd.assert_type(y, {'tp': spmd.P}) right after the contraction",
+                                "spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes='tp')")
 
 
 def test_local_row_parallel_needs_reinterpret_and_explicit_partial_is_the_same(mesh_dp_tp):

@@ -28,7 +28,7 @@ def _wrong_programs():
 
     def row_parallel_plain_linear(mk):
         h = F.gelu(F.linear(mk((8, 16), {"tp": R}), mk((32, 16), {"tp": S(0)})))
-        F.linear(h, mk((16, 32), {"tp": S(1)}))  # a local matmul: each rank's partial product only
+        F.linear(h, mk((16, 32), {"tp": S(1)})) + 1.0  # a pending sum used before anything claimed it
 
     def softmax_over_sharded_dim(mk):
         h = F.linear(mk((8, 16), {"tp": R}), mk((32, 16), {"tp": S(0)}))
@@ -64,7 +64,7 @@ def _wrong_programs():
         spmd.linear(merged, mk((16, 32), {"tp": S(1)}), out_partial_axes="tp")
 
     def out_projection_plain_linear(mk):
-        F.linear(mk((2, 6, 32), {"tp": S(2)}), mk((16, 32), {"tp": S(1)}))
+        torch.relu(F.linear(mk((2, 6, 32), {"tp": S(2)}), mk((16, 32), {"tp": S(1)})))  # unclaimed pending sum
 
     def loss_mean_over_sharded_batch(mk):
         F.cross_entropy(mk((8, 5), {"dp": S(0)}), mk((8,), {"dp": S(0)}, dtype=torch.long))

@@ -17,7 +17,7 @@ from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.types import P, PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, refuse_compile
 from .._local.transitions import route_call
@@ -229,6 +229,8 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
         w = full[axis]
         if w.is_varying and w is not V and have.get(axis) is V:
             refined = refined.replace(axis, w)
+    if have.pending:  # asserting P claims a contraction's pending sum (global SPMD)
+        refined = refined.claimed(a for a in named if full[a] is P)
     if refined is not have:
         t._spmd_types = refined  # type: ignore[attr-defined]
         if STATE.global_mode and spec is not None:

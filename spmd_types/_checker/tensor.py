@@ -17,8 +17,9 @@ from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.spec import format_shape, short_dtype
 from .._core.state import STATE
-from .._core.types import R, TypeMap, V
-from .._global.shard_rules import explain_failure, propagate
+from .._core.types import P, R, TypeMap, V
+from .._global.shard_props import PendingSum
+from .._global.shard_rules import explain_failure, propagate, raise_pending
 from .._guards.function_guard import check_no_unregistered_function
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
@@ -197,9 +198,17 @@ def _global_result(func, args, kwargs, out, out_types: TypeMap):
     mesh = current_mesh()
     if mesh is None:
         return _wrap(out, out_types)
+    global_axes, sizes = mesh.global_axes(STATE.local_axes), mesh.sizes()
     with _DisableTF():
-        spec = propagate(func, args, kwargs, out, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
-                         STATE.out_partial)
+        spec = propagate(func, args, kwargs, out, out_types, global_axes, sizes, STATE.out_partial)
+        if isinstance(spec, PendingSum):
+            pending = _pending_sum(spec, out, out_types)
+            if pending is None:
+                raise_pending(func, spec)
+            # The pending sum it is: P on those axes, usable once an assert or a declared type claims it.
+            out_types = TypeMap.of({**out_types.as_dict(), **{a: P for a in pending}}, out_types.space,
+                                   out_types.pending | pending)
+            spec = propagate(func, args, kwargs, out, out_types, global_axes, sizes, STATE.out_partial | pending)
     dest = out if isinstance(out, torch.Tensor) and type(out) in _TYPED_CLASSES else None
     if dest is not None and spec is not None and getattr(dest, "_spmd_spec", spec) != spec:
         raise SpmdTypeError(
@@ -214,6 +223,17 @@ def _global_result(func, args, kwargs, out, out_types: TypeMap):
     if spec is not None:
         _set_spec(wrapped, spec)
     return wrapped
+
+
+def _pending_sum(spec: PendingSum, out: Any, out_types: TypeMap) -> frozenset[str] | None:
+    """The axes of a contraction over a sharded dim (a tensor result, V there locally), or None.
+
+    None inside an explicit ``out_partial_axes=`` call: it names the partial axes, and these are not among them.
+    """
+    axes = frozenset(spec.axes)
+    if STATE.out_partial or not isinstance(out, torch.Tensor) or not all(getattr(out_types.get(a), "is_varying", False) for a in axes):
+        return None
+    return axes
 
 
 def _set_spec(out: Any, spec) -> None:

@@ -8,6 +8,7 @@ makes the program well typed. Plain text off a terminal; rendered with
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import os
 import sys
@@ -88,6 +89,7 @@ class SpmdTypeError(TypeError):
     def __init__(self, rejection: Rejection | str, source: str | None = None) -> None:
         if isinstance(rejection, str):
             rejection = Rejection(rejection)
+        self.rejection = rejection
         self.rule = rejection.rule
         self.seen = tuple(rejection.seen)
         self.fixes = tuple(rejection.fixes)
@@ -125,7 +127,7 @@ def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...]) -> S
                     lines.append(f"{label} ({exprs[label]}): {rest}" if label in exprs else line)
                 value = "\n".join(lines)
             seen.append((key, value))
-        rejection = Rejection(rejection.rule, seen, fixes, rejection.notes)
+        rejection = dataclasses.replace(rejection, seen=seen, fixes=fixes)
     return SpmdTypeError(rejection, source)
 
 

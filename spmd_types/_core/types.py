@@ -279,25 +279,37 @@ class TypeMap:
     are the same object, so equality and hashing are by identity.
     """
 
-    __slots__ = ("items", "_dict", "space", "__weakref__")
+    __slots__ = ("items", "_dict", "space", "pending", "__weakref__")
     _interned: dict[tuple, TypeMap] = {}
 
     items: tuple[tuple[str, SpmdType], ...]
 
-    def __init__(self, items: tuple[tuple[str, SpmdType], ...], space: Space | None = None) -> None:
+    def __init__(self, items: tuple[tuple[str, SpmdType], ...], space: Space | None = None,
+                 pending: frozenset[str] = frozenset()) -> None:
         self.items = items
         self._dict = dict(items)
         self.space = space
+        # global SPMD: axes where this P is a contraction's pending sum that no assert or declared type has
+        # claimed yet (any other use is an error naming out_partial_axes)
+        self.pending = pending
 
     @classmethod
-    def of(cls, mapping: Mapping[str, SpmdType] | Iterable[tuple[str, SpmdType]], space: Space | None = None) -> TypeMap:
+    def of(cls, mapping: Mapping[str, SpmdType] | Iterable[tuple[str, SpmdType]], space: Space | None = None,
+           pending: frozenset[str] = frozenset()) -> TypeMap:
         pairs = mapping.items() if isinstance(mapping, Mapping) else mapping
         items = tuple(sorted(pairs, key=lambda kv: kv[0]))
-        key = (items, space)
+        key = (items, space, pending)
         found = cls._interned.get(key)
         if found is None:
-            found = cls._interned[key] = cls(items, space)
+            found = cls._interned[key] = cls(items, space, pending)
         return found
+
+    def claimed(self, axes: Iterable[str] | None = None) -> TypeMap:
+        """This type map with the pending sums on ``axes`` (default: all) claimed."""
+        if not self.pending:
+            return self
+        rest = frozenset() if axes is None else self.pending - frozenset(axes)
+        return TypeMap.of(self.items, self.space, rest)
 
     def get(self, axis: str, default: SpmdType | None = None) -> SpmdType | None:
         return self._dict.get(axis, default)
@@ -317,7 +329,7 @@ class TypeMap:
     def replace(self, axis: str, t: SpmdType) -> TypeMap:
         d = dict(self._dict)
         d[axis] = t
-        return TypeMap.of(d, self.space)
+        return TypeMap.of(d, self.space, self.pending - {axis})
 
     def backward(self) -> TypeMap:
         return TypeMap.of(((a, backward_type(t)) for a, t in self.items), self.space)

@@ -12,7 +12,7 @@ import string
 
 from .._core.errors import Rejection
 from .._core.spec import Spec
-from .shard_props import Ctx, Operand, _axes, _tuple_code, gather_fix
+from .shard_props import Ctx, Operand, PendingSum, _axes, _tuple_code, gather_fix
 
 __all__ = ["einsum_rule", "matmul_rule", "linear_rule", "embedding_rule", "attention_rule", "cross_entropy_rule"]
 
@@ -42,11 +42,12 @@ def _contract(ctx: Ctx, labelled: list[tuple[Operand, str]], out_labels: str) ->
         missing = [a for a in entry if a not in ctx.partial]
         if missing:
             fix = f"{_explicit_partial_op(ctx.display)}(..., out_partial_axes={_tuple_code(list(entry))})"
-            return ctx.reject(
+            found = ctx.reject(
                 "a contraction over a sharded dim gives each rank a partial sum; ask for it explicitly.",
                 f"contracted index '{label}' (dim {d} of {op.label}) is sharded on {_axes(entry)}",
                 [fix, gather_fix(op.label, entry, d)],
             )
+            return PendingSum(found.rule, found.seen, found.fixes, found.notes, tuple(entry))
         partial.extend(entry)
     out = tuple(by_label.get(label, ((),))[0] for label in out_labels)
     used = [a for entry in out for a in entry] + partial

@@ -22,6 +22,13 @@ __all__ = ["Ctx", "Operand"]
 
 
 @dataclass
+class PendingSum(Rejection):
+    """A contraction over a dim sharded on ``axes``: a pending sum there, usable once claimed P."""
+
+    axes: tuple[str, ...] = ()
+
+
+@dataclass
 class Operand:
     label: str
     tensor: torch.Tensor

@@ -21,7 +21,7 @@ from .._core.types import TypeMap
 from .._local.op_registry import _resolve, entry_for
 from .._local.rules_table import op_variants
 from .shard_contract import attention_rule, cross_entropy_rule, einsum_rule, embedding_rule, linear_rule, matmul_rule
-from .shard_props import Ctx, Operand, along_dim, normalize_last, reduction, same
+from .shard_props import Ctx, Operand, PendingSum, along_dim, normalize_last, reduction, same
 from .shard_shapes import (
     concat_rule,
     expand_rule,
@@ -228,6 +228,12 @@ def propagate(func, args, kwargs, out, out_types: TypeMap | None, global_axes: f
 PENDING = object()  # the op has not run (it failed): rules that need its result cannot say
 
 
+def raise_pending(func, spec: PendingSum) -> None:
+    """Raise the error a contraction over a sharded dim gets when it cannot be a pending sum."""
+    entry = entry_for(func)
+    raise op_error(spec, getattr(func, "__name__", ""), entry.row.params)
+
+
 def explain_failure(func, args, kwargs, out_types, global_axes, sizes, partial) -> None:
     """When the local op itself failed, raise the SpmdTypeError its shard rule gives, if any.
 
@@ -262,6 +268,8 @@ def _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial) 
             )
         else:
             spec = row.rule(ctx)
+    if isinstance(spec, PendingSum) and out is not PENDING:
+        return spec  # the caller decides: a pending sum, or this error (raise_pending)
     if isinstance(spec, Rejection):
         raise op_error(spec, getattr(func, "__name__", ""), entry.row.params)
     if out_types is not None and out is not PENDING:

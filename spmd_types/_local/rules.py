@@ -167,6 +167,9 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
         for op in operands:
             if op.is_tensor and op.types is WEAK:
                 return _strict_rejection(entry, op, typed[0])
+    for op in typed:
+        if op.types.pending:  # type: ignore[union-attr]
+            return _unclaimed(entry, op)
     moved = _onto_one_mesh(entry, typed)
     if moved is not None:
         return moved
@@ -417,6 +420,21 @@ def _i_mix(entry, operands, axis, inv, other) -> Rejection:
         "gradient is all-reduced in backward.",
         _seen(entry, operands, axis, f"{inv.label} is I and {other.label} is {t}"),
         [_call("convert", inv.label, axis, I, R)],
+    )
+
+
+def _unclaimed(entry: OpEntry, op: Operand) -> Rejection:
+    axes = sorted(op.types.pending)  # type: ignore[union-attr]
+    shown = ", ".join(f"'{a}'" for a in axes)
+    claim = "{" + ", ".join(f"'{a}': spmd.P" for a in axes) + "}"
+    partial = "'" + axes[0] + "'" if len(axes) == 1 else "(" + ", ".join(f"'{a}'" for a in axes) + ")"
+    return Rejection(
+        f"Global SPMD: {op.label} is a contraction over a sharded dim, a pending sum (P) on {shown}, and it is used "
+        f"by {entry.display} before anything claimed it. Claim it (an assert, a declared output type) or ask for it "
+        "with out_partial_axes.",
+        [("op", entry.display), ("operand", f"{op.label}: {op.shown()} (P on {shown} not yet claimed)")],
+        [f"spmd.assert_type({op.label}, {claim}) right after the contraction",
+         f"spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes={partial})"],
     )
 
 
