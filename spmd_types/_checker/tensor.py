@@ -231,7 +231,9 @@ def _pending_sum(spec: PendingSum, out: Any, out_types: TypeMap) -> frozenset[st
     None inside an explicit ``out_partial_axes=`` call: it names the partial axes, and these are not among them.
     """
     axes = frozenset(spec.axes)
-    if STATE.out_partial or not isinstance(out, torch.Tensor) or not all(getattr(out_types.get(a), "is_varying", False) for a in axes):
+    if STATE.out_partial or not isinstance(out, torch.Tensor):
+        return None
+    if not all(getattr(out_types.get(a), "is_varying", False) for a in axes):
         return None
     return axes
 
