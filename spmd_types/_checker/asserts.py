@@ -22,6 +22,7 @@ from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
+from .latent import apply_remembered, remember, remembered
 from .tensor import make_typed, type_in_place
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking",
@@ -89,6 +90,7 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
     try:
+        apply_remembered(assert_type)  # types given by assert_type outside typecheck()
         yield
     finally:
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
@@ -171,7 +173,9 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     current mesh that ``types`` leaves out are V in local SPMD, R in global); a
     typed tensor is checked (``S(d)`` refines V) and returned; an ``nn.Module``
     has every parameter and buffer typed. A list or tuple of tensors has each
-    typed. Outside :func:`typecheck` it returns ``t`` untouched.
+    typed. Outside :func:`typecheck` ``t`` stays a plain tensor (no cost to
+    later ops) and remembers the type, which :func:`typecheck` gives it when it
+    starts (the published API types parameters at parallelize time).
 
     Example::
 
@@ -181,7 +185,7 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
     if not STATE.checking:
-        return t
+        return remember(t, types, partition_spec)  # applied when typecheck() starts; t stays plain
     if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
         refuse_compile()
     if isinstance(t, (list, tuple)):
@@ -306,13 +310,26 @@ def get_local_type(t: Any) -> dict[str, SpmdType]:
     """
     types = getattr(t, "_spmd_types", None)
     if types is None:
-        return {}
+        types = _remembered_types(t)
+        if types is None:
+            return {}
     return {a: (V if ty.is_varying else ty) for a, ty in types.items}
 
 
+def _remembered_types(t: Any) -> TypeMap | None:
+    """The types a record made outside typecheck() stands for (resolved under the mesh it was given with)."""
+    record = remembered(t)
+    if record is None or record[2] is None:
+        return None
+    from .._core.mesh import set_current_mesh
+
+    with set_current_mesh(record[2]):
+        return _placed(t, record[0], record[1])[0]
+
+
 def has_local_type(t: Any) -> bool:
-    """True when ``t`` carries an SPMD type."""
-    return getattr(t, "_spmd_types", None) is not None
+    """True when ``t`` carries an SPMD type (or was given one by ``assert_type`` outside ``typecheck()``)."""
+    return getattr(t, "_spmd_types", None) is not None or remembered(t) is not None
 
 
 def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
@@ -507,6 +524,8 @@ def _type_declared(who: str, name: str, index: int, out: Any, declared: tuple[Ma
     if have is not None:
         for axis, w in want.items:
             h = have.get(axis)
+            if w is P and h is not None and h.is_varying:
+                continue  # each rank's piece of the declared pending sum: reinterpret(V, P), no communication either way
             if not compatible(h, w):
                 fix = route_call(f"output{index}", axis, h, w) if h is not None else None
                 raise op_error(

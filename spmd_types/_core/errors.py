@@ -18,7 +18,7 @@ from typing import Any, Sequence
 __all__ = ["SpmdTypeError", "Rejection", "user_source_line"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmd_types/
-_SKIP_DIRS: tuple[str, ...] = (_PKG_DIR,)
+_SKIP_DIRS: tuple[str, ...] = (_PKG_DIR + os.sep,)
 
 
 def _torch_dir() -> str:
@@ -39,7 +39,8 @@ def user_source(start: Any = None) -> tuple[str, str] | None:
     if len(_SKIP_DIRS) == 1:
         import contextlib
 
-        _SKIP_DIRS = (_PKG_DIR, _torch_dir(), os.path.dirname(contextlib.__file__))
+        # with a trailing separator: torch's folder is a prefix of torchtitan's, which is user code
+        _SKIP_DIRS = tuple(d + os.sep for d in (_PKG_DIR, _torch_dir(), os.path.dirname(contextlib.__file__)))
     frame = sys._getframe(1) if start is None else start
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)

@@ -61,6 +61,8 @@ class Mesh:
 
     @classmethod
     def from_user(cls, mesh: Any) -> Mesh:
+        if isinstance(mesh, Mesh):  # one the package made: a copy, so set_current_mesh can set its local axes
+            return cls(mesh.axis_names, mesh.groups, mesh.device_mesh, mesh._regions, mesh.local_axes)
         if isinstance(mesh, DeviceMesh):
             names = mesh.mesh_dim_names
             if not names:

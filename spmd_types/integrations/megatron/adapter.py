@@ -427,7 +427,7 @@ def _report_callers_of_megatron_tensor_parallel() -> None:
     from ..._core import errors as _errors
 
     _errors.user_source()  # sets up the package's own skip list first
-    here = os.path.dirname(os.path.abspath(tensor_parallel.__file__))
+    here = os.path.dirname(os.path.abspath(tensor_parallel.__file__)) + os.sep
     if here not in _errors._SKIP_DIRS:
         _errors._SKIP_DIRS = (*_errors._SKIP_DIRS, here)
 
