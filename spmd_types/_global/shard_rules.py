@@ -23,6 +23,7 @@ from .._local.rules_table import op_variants
 from .shard_contract import attention_rule, cross_entropy_rule, einsum_rule, embedding_rule, linear_rule, matmul_rule
 from .shard_props import Ctx, Operand, PendingSum, along_dim, normalize_last, reduction, same
 from .shard_shapes import (
+    complex_view_rule,
     concat_rule,
     expand_rule,
     index_rule,
@@ -126,6 +127,8 @@ SHARD_ROWS: tuple[ShardRow, ...] = (
              "full slices keep a dim's sharding; any other index must hit an unsharded dim"),
     ShardRow(_v("unsqueeze"), ShardKind.RESIZE, unsqueeze_rule, "a new dim is unsharded"),
     ShardRow(_v("squeeze"), ShardKind.RESIZE, squeeze_rule, "only unsharded size-1 dims can be dropped"),
+    ShardRow(_v("view_as_complex", "view_as_real"), ShardKind.RESIZE, complex_view_rule,
+             "the last dim of reals is the (real, imaginary) pair of one complex value: it stays whole"),
     ShardRow(_v("expand", "expand_as", "repeat", "broadcast_to"), ShardKind.RESIZE, expand_rule,
              "only unsharded dims can grow; new leading dims are unsharded"),
     ShardRow(("F.embedding",), ShardKind.EMBEDDING, embedding_rule,

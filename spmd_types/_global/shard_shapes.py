@@ -14,8 +14,8 @@ from .._core.errors import Rejection
 from .._core.spec import Spec
 from .shard_props import Ctx, _axes, _dim, gather_fix
 
-__all__ = ["reshape_rule", "permute_rule", "transpose_rule", "concat_rule", "stack_rule", "split_rule",
-           "index_rule", "unsqueeze_rule", "squeeze_rule", "expand_rule", "select_rule"]
+__all__ = ["complex_view_rule", "reshape_rule", "permute_rule", "transpose_rule", "concat_rule", "stack_rule",
+           "split_rule", "index_rule", "unsqueeze_rule", "squeeze_rule", "expand_rule", "select_rule"]
 
 
 def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -230,6 +230,20 @@ def squeeze_rule(ctx: Ctx) -> Spec | Rejection:
                 [gather_fix(op.label, op.spec[d], d)],
             )
     return tuple(e for d, e in enumerate(op.spec) if d not in dropped)
+
+
+def complex_view_rule(ctx: Ctx) -> Spec | Rejection:
+    """view_as_complex folds a whole trailing pair of reals into one complex; view_as_real unfolds it."""
+    op = ctx.first()
+    if "complex" in ctx.display:
+        if op.spec and op.spec[-1]:
+            return ctx.reject(
+                "view_as_complex reads the last dim as (real, imaginary) pairs, so it must be whole.",
+                f"the last dim of {op.label} is sharded on {_axes(op.spec[-1])}",
+                [gather_fix(op.label, op.spec[-1], len(op.spec) - 1)],
+            )
+        return op.spec[:-1]
+    return op.spec + ((),)
 
 
 def expand_rule(ctx: Ctx) -> Spec | Rejection:
