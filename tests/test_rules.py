@@ -119,8 +119,8 @@ RECIPES: dict[str, Recipe] = {
     "torch.zeros_like": Recipe(lambda x: torch.zeros_like(x.p), P, lambda x: torch.zeros_like(x.p) + x.r, P_PLUS),
     # ones_like(P) is an ordinary constant: R, not P, so it does not add to P
     "torch.ones_like": Recipe(lambda x: torch.ones_like(x.p), R, lambda x: torch.ones_like(x.p) + x.p, P_PLUS),
-    "Tensor.new_full": Recipe(lambda x: x.p.new_full((4, 4), 0.0), P,
-                              lambda x: x.p.new_full((4, 4), 2.0) + x.p, P_PLUS),
+    # x.new_*(size): a new constant of its own shape, R whatever x is (the published API's meaning)
+    "Tensor.new_zeros": Recipe(lambda x: x.p.new_zeros((4, 4)), R, lambda x: x.p.new_full((4, 4), 2.0) + x.p, P_PLUS),
     # metadata: never rejects; on a P tensor it returns a plain non-tensor value
     "Tensor.size": Recipe(lambda x: x.p.size(), torch.Size, None, "metadata never rejects"),
     "Tensor.grad": Recipe(_grad_roundtrip, type(None), None, "reading or setting .grad never rejects"),

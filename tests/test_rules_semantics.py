@@ -420,7 +420,6 @@ def test_unknown_op_is_nonlinear(x):
 
 def test_factories(x):
     assert tp_type(torch.zeros_like(x.p)) is P
-    assert tp_type(x.p.new_zeros(2)) is P
     assert tp_type(torch.full_like(x.p, 0)) is P
     assert tp_type(torch.ones_like(x.p)) is R
     assert tp_type(torch.rand_like(x.p)) is R
@@ -429,6 +428,9 @@ def test_factories(x):
     assert tp_type(x.p.new_full((2,), 5.0)) is R
     assert tp_type(torch.ones_like(x.v)) is V
     assert tp_type(torch.ones_like(x.i)) is I
+    # x.new_*(size): a new constant of its own shape, R on every axis whatever x is (the published API's meaning)
+    for made in (x.p.new_zeros(2), x.v.new_zeros(()), x.i.new_empty(3), x.v.new_tensor([1.0, 2.0])):
+        assert spmd.get_type(made) == {"dp": R, "tp": R}
 
 
 def test_metadata_never_rejects(x):

@@ -181,6 +181,9 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
     for op in typed:
         if len(op.types.items) != len(axes):  # type: ignore[union-attr]
             return _two_meshes(entry, typed, op, axes)
+    if row.kind is RuleKind.NEW:
+        first = typed[0].types
+        return TypeMap.of(((a, R) for a, _ in first.items), first.space)  # type: ignore[union-attr]
     if row.kind in (RuleKind.PASSTHROUGH, RuleKind.FACTORY):
         first = typed[0].types
         assert isinstance(first, TypeMap)

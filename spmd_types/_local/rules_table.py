@@ -12,6 +12,9 @@ arguments (seed 003, "Local SPMD"):
 * ``FACTORY``: ``*_like`` constructors: a fresh constant that keeps the
   input's type, except that a constant is never a pending sum (P -> R)
   unless it is zero.
+* ``NEW``: ``x.new_zeros(size)`` and the other ``Tensor.new_*``: a tensor of
+  its own shape that takes only dtype and device from ``x``: a constant, the
+  same on every rank, R on every axis (as the published API has it).
 * ``METADATA``: returns no tensor (shape, dtype, numel): not checked.
 
 ``terms`` spells the op's algebra: a sum of products of parameters. Every
@@ -34,6 +37,7 @@ class RuleKind(enum.Enum):
     MULTILINEAR = "multilinear"
     PASSTHROUGH = "passthrough"
     FACTORY = "factory"
+    NEW = "new constant"
     METADATA = "metadata"
 
 
@@ -209,16 +213,15 @@ ROWS: tuple[Row, ...] = (
          "Tensor.share_memory_", "Tensor.data"),
         RuleKind.PASSTHROUGH, "no value semantics: the type is kept", terms=UNARY),
     # ---- factories --------------------------------------------------------
-    Row(("torch.zeros_like", "torch.empty_like", "Tensor.new_zeros", "Tensor.new_empty"),
+    Row(("torch.zeros_like", "torch.empty_like"),
         RuleKind.FACTORY, "a zero constant is a valid value of every type, a pending sum included",
         terms=UNARY),
-    Row(("torch.ones_like", "torch.full_like", "torch.rand_like", "torch.randn_like", "torch.randint_like",
-         "Tensor.new_ones", "Tensor.new_tensor"),
+    Row(("torch.ones_like", "torch.full_like", "torch.rand_like", "torch.randn_like", "torch.randint_like"),
         RuleKind.FACTORY, "a constant is the same on every rank: it keeps the input's type, but a "
         "pending sum (P) becomes R", params=("input", "fill_value"), terms=UNARY, linear_if_zero="fill_value"),
-    Row(("Tensor.new_full",), RuleKind.FACTORY, "x.new_full(size, c): a constant keeps the input's type, "
-        "but a pending sum (P) becomes R unless c is zero", params=("input", "size", "fill_value"),
-        terms=UNARY, linear_if_zero="fill_value"),
+    Row(("Tensor.new_zeros", "Tensor.new_empty", "Tensor.new_ones", "Tensor.new_full", "Tensor.new_tensor"),
+        RuleKind.NEW, "x.new_*(size): a new constant of its own shape (only dtype and device come from x), the same "
+        "on every rank: R", params=("input",), terms=UNARY),
     # ---- metadata: no tensor result ---------------------------------------
     Row(("Tensor.size", "Tensor.dim", "Tensor.numel", "Tensor.nelement", "Tensor.stride",
          "Tensor.storage_offset", "Tensor.data_ptr", "Tensor.element_size", "Tensor.is_contiguous",
