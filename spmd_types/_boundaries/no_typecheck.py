@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 from .._checker.asserts import assert_type, type_declared_outputs
+from .._checker.latent import apply_remembered
 from .._core.mesh import Axis
 from .._core.state import STATE
 from .._core.types import SpmdType
@@ -70,6 +71,8 @@ class _Region:
 
     def __exit__(self, *exc: Any) -> None:
         STATE.checking = self._saved.pop()
+        if STATE.checking and exc[0] is None:
+            apply_remembered(assert_type)  # what assert_type was told inside the block
 
     def __call__(self, f: Callable[..., Any]) -> Callable[..., Any]:
         in_types, out_types = self.in_types, self.out_types
