@@ -72,7 +72,7 @@ def _acc_rej():
         "add": (lambda: sharded((4, 8), 1) * 2 + sharded((4, 8), 1), ((), ("tp",)),
                 lambda: sharded((4, 8), 1) + replicated(4, 8), "sharded the same way on every dim"),
         "sum": (lambda: sharded((4, 8), 0).sum(1), (("tp",),),
-                lambda: sharded((4, 8), 1).sum(1), "a reduction over a sharded dim"),
+                lambda: sharded((4, 8), 1).sum(1) + 1.0, "sums over a sharded dim"),
         "mean": (lambda: sharded((4, 8), 0).amax(-1), (("tp",),),
                  lambda: sharded((4, 8), 0).mean(0), "a reduction over a sharded dim"),
         "softmax": (lambda: torch.softmax(sharded((4, 8), 0), -1), (("tp",), ()),
@@ -84,10 +84,10 @@ def _acc_rej():
         "F.layer_norm": (lambda: F.layer_norm(sharded((4, 8), 0), (8,)), (("tp",), ()),
                          lambda: F.layer_norm(sharded((4, 8), 1), (8,)), "normalizes over dim 1"),
         "matmul": (lambda: replicated(4, 8) @ sharded((8, 6), 1), ((), ("tp",)),
-                   lambda: (sharded((4, 8), 1) @ sharded((8, 6), 0)) * 2, "a contraction over a sharded dim"),
+                   lambda: (sharded((4, 8), 1) @ sharded((8, 6), 0)) * 2, "sums over a sharded dim"),
         "Tensor.__rmatmul__": (lambda: sharded((8, 6), 1).__rmatmul__(replicated(4, 8)), ((), ("tp",)),
                                lambda: sharded((8, 6), 0).__rmatmul__(sharded((4, 8), 1)) * 2,
-                               "contraction over a sharded"),
+                               "sums over a sharded dim"),
         "torch.einsum": (lambda: torch.einsum("bk,nk->bn", replicated(4, 8), sharded((6, 8), 0)), ((), ("tp",)),
                          lambda: torch.einsum("bk,kn->bn", sharded((4, 8), 0), sharded((8, 6), 1)),
                          "a mesh axis can shard only one dim"),
@@ -96,10 +96,18 @@ def _acc_rej():
         "view_as_complex": (lambda: torch.view_as_complex(sharded((4, 3, 2), 0)), (("tp",), ()),
                             lambda: torch.view_as_complex(sharded((4, 2), 1).contiguous()),
                             "view_as_complex reads the last dim as (real, imaginary) pairs"),
+        "gather": (lambda: torch.gather(sharded((4, 8), 0), 1, spmd.assert_type(torch.zeros(4, 2, dtype=torch.long),
+                                                                                 {"tp": S(0)})), (("tp",), ()),
+                   lambda: torch.gather(sharded((4, 8), 1), 1, torch.zeros(4, 2, dtype=torch.long)),
+                   "gather reads any position along its dim"),
+        "scatter": (lambda: torch.scatter(sharded((4, 8), 0), 1, spmd.assert_type(torch.zeros(4, 2, dtype=torch.long),
+                                                                                   {"tp": S(0)}), 1.0), (("tp",), ()),
+                    lambda: torch.scatter(sharded((4, 8), 0), 1, torch.zeros(4, 2, dtype=torch.long), 1.0),
+                    "scatter pairs each index"),
         "view": (lambda: sharded((4, 6), 0).view(24), (("tp",),),
                  lambda: sharded((4, 6), 1).view(24), "major (first) dim"),
         "permute": (lambda: sharded((2, 3, 4), 0).permute(2, 0, 1), ((), ("tp",), ()),
-                    lambda: sharded((2, 3, 4), 0).permute(2, 0, 1).sum(1), "a reduction over a sharded dim"),
+                    lambda: sharded((2, 3, 4), 0).permute(2, 0, 1).mean(1), "a reduction over a sharded dim"),
         "transpose": (lambda: sharded((2, 3), 0).t(), ((), ("tp",)),
                       lambda: torch.softmax(sharded((2, 3), 0).transpose(0, 1), 1), "mixes values along dim 1"),
         "cat": (lambda: torch.cat([sharded((2, 3), 0), sharded((2, 3), 0)], 1), (("tp",), ()),
@@ -113,7 +121,7 @@ def _acc_rej():
         "Tensor.__getitem__": (lambda: sharded((2, 6), 0)[:, 1:3], (("tp",), ()),
                                lambda: sharded((2, 6), 0)[1:], "indexing a sharded dim"),
         "unsqueeze": (lambda: sharded((2, 6), 0).unsqueeze(0), ((), ("tp",), ()),
-                      lambda: sharded((2, 6), 0).unsqueeze(0).sum(1), "a reduction over a sharded dim"),
+                      lambda: sharded((2, 6), 0).unsqueeze(0).mean(1), "a reduction over a sharded dim"),
         "squeeze": (lambda: sharded((2, 1), 0).squeeze(1), (("tp",),),
                     lambda: sharded((1, 3), 0).squeeze(0), "squeezing a sharded dim"),
         "expand": (lambda: sharded((2, 1), 0).expand(2, 5), (("tp",), ()),
@@ -190,8 +198,8 @@ def test_row_parallel_plain_linear_is_a_pending_sum_to_claim(glob):
     y = F.linear(h, w)  # global SPMD: the pending sum it is, unclaimed
     with pytest.raises(spmd.SpmdTypeError) as info:
         y + 1.0
-    assert info.value.fixes == ("spmd.assert_type(y, {'tp': spmd.P}) right after the contraction",
-                                "spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes='tp')")
+    assert info.value.fixes == ("spmd.assert_type(y, {'tp': spmd.P}) right after it",
+                                "spmd.sum / spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes='tp')")
 
 
 def test_local_row_parallel_needs_reinterpret_and_explicit_partial_is_the_same(mesh_dp_tp):

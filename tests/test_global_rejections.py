@@ -70,7 +70,7 @@ def _wrong_programs():
         F.cross_entropy(mk((8, 5), {"dp": S(0)}), mk((8,), {"dp": S(0)}, dtype=torch.long))
 
     def loss_plain_sum_over_sharded_batch(mk):
-        F.cross_entropy(mk((8, 5), {"dp": S(0)}), mk((8,), {"dp": S(0)}, dtype=torch.long), reduction="none").sum()
+        F.cross_entropy(mk((8, 5), {"dp": S(0)}), mk((8,), {"dp": S(0)}, dtype=torch.long), reduction="none").sum() / 8
 
     def loss_class_sharded(mk):  # targets < 2 so the local op can run (see the xfail below)
         F.cross_entropy(mk((8, 8), {"dp": S(1)}), mk((8,), {"dp": R}, dtype=torch.long) % 2, reduction="none")
@@ -88,7 +88,7 @@ def _wrong_programs():
         a * a
 
     return [
-        ("row_parallel_plain_linear", ("tp",), row_parallel_plain_linear, "a contraction over a sharded dim"),
+        ("row_parallel_plain_linear", ("tp",), row_parallel_plain_linear, "sums over a sharded dim"),
         ("softmax_over_sharded_dim", ("tp",), softmax_over_sharded_dim, "mixes values along dim 1"),
         ("bias_before_all_reduce", ("tp",), bias_before_all_reduce, "A pending sum (P) can only be added"),
         ("sp_forgot_all_gather", ("tp",), sp_forgot_all_gather, "a mesh axis can shard only one dim"),
@@ -102,7 +102,7 @@ def _wrong_programs():
         ("out_projection_plain_linear", ("tp",), out_projection_plain_linear, "out_partial_axes='tp'"),
         ("loss_mean_over_sharded_batch", ("dp",), loss_mean_over_sharded_batch, "reduces only this rank's items"),
         ("loss_plain_sum_over_sharded_batch", ("dp",), loss_plain_sum_over_sharded_batch,
-         "a reduction over a sharded dim"),
+         "sums over a sharded dim"),
         ("loss_class_sharded", ("dp",), loss_class_sharded, "class-sharded cross-entropy"),
         ("backward_from_replicated_loss", ("dp",), backward_from_replicated_loss, "from a Replicate"),
         ("gather_with_varying_src", ("dp",), gather_with_varying_src, "has no global meaning"),

@@ -73,11 +73,11 @@ def test_use_before_the_claim_is_an_error_naming_both_fixes(glob):
     with pytest.raises(spmd.SpmdTypeError) as info:
         torch.relu(out)
     assert info.value.rule == (
-        "Global SPMD: input is a contraction over a sharded dim, a pending sum (P) on 'tp', and it is used by "
-        "torch.relu before anything claimed it. Claim it (an assert, a declared output type) or ask for it with "
-        "out_partial_axes.")
-    assert info.value.fixes == ("spmd.assert_type(out, {'tp': spmd.P}) right after the contraction",
-                                "spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes='tp')")
+        "Global SPMD: input sums over a sharded dim (a contraction or a reduction): it is a pending sum (P) on 'tp', "
+        "used by torch.relu before anything claimed it. Claim it (an assert, a declared output type) or ask for it "
+        "with out_partial_axes.")
+    assert info.value.fixes == ("spmd.assert_type(out, {'tp': spmd.P}) right after it",
+                                "spmd.sum / spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes='tp')")
 
 
 def test_a_claim_of_another_type_is_refused(glob):
@@ -108,3 +108,16 @@ def test_local_spmd_is_unchanged():
         assert spmd.get_type(out) == {"tp": V}
         with pytest.raises(spmd.SpmdTypeError, match="V is not P"):
             spmd.assert_type(out, {"tp": P})
+
+
+def test_adding_into_a_buffer_typed_p_is_a_claim(glob):
+    """torchtitan's MoE counts tokens per expert with a sum over sharded dims, added into a buffer typed P."""
+    buf = spmd.assert_type(torch.zeros(8), {"tp": P})
+    routed = spmd.assert_type(torch.ones(4, 8), {"tp": S(0)})
+    counts = routed.sum(0)  # a pending sum on tp
+    with torch.no_grad():
+        buf.add_(counts)
+    assert spmd.get_type(buf) == {"tp": P}
+    other = spmd.assert_type(torch.zeros(8), {"tp": R})
+    with pytest.raises(spmd.SpmdTypeError, match="sums over a sharded dim"):
+        other.add_(counts)  # an R destination claims nothing (and P into R is wrong anyway)

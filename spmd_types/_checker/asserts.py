@@ -237,7 +237,7 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
         refined = refined.claimed(a for a in named if full[a] is P)
     if refined is not have:
         t._spmd_types = refined  # type: ignore[attr-defined]
-        if STATE.global_mode and spec is not None:
+        if spec is not None:  # kept in local SPMD too: a global region after it reads the layout
             _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
     if STATE.global_mode and spec is not None:
         _check_spec(t, spec, named)
@@ -298,11 +298,12 @@ def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
         )
 
 
-def get_local_type(t: Any) -> dict[str, SpmdType]:
+def get_local_type(t: Any) -> dict[Any, SpmdType]:
     """The published API's view of a tensor's type: ``{axis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
 
     Axes of size 1 carry no type and do not appear. The layout of V axes is the
-    partition spec (:func:`get_partition_spec`).
+    partition spec (:func:`get_partition_spec`). A type given outside
+    ``typecheck()`` with no mesh current comes back as it was given.
 
     Example::
 
@@ -310,21 +311,29 @@ def get_local_type(t: Any) -> dict[str, SpmdType]:
     """
     types = getattr(t, "_spmd_types", None)
     if types is None:
-        types = _remembered_types(t)
-        if types is None:
+        found = _remembered_types(t)
+        if found is None:
             return {}
+        if not isinstance(found, TypeMap):
+            return {a: (V if ty.is_varying else ty) for a, ty in found.items()}
+        types = found
     return {a: (V if ty.is_varying else ty) for a, ty in types.items}
 
 
-def _remembered_types(t: Any) -> TypeMap | None:
-    """The types a record made outside typecheck() stands for (resolved under the mesh it was given with)."""
+def _remembered_types(t: Any) -> TypeMap | Mapping | None:
+    """What a record made outside typecheck() stands for: resolved under its mesh (or the current one), else as given."""
     record = remembered(t)
-    if record is None or record[2] is None:
+    if record is None:
         return None
+    types, spec, mesh = record
+    if mesh is None:
+        mesh = current_mesh()
+        if mesh is None:
+            return types if isinstance(types, Mapping) else None
     from .._core.mesh import set_current_mesh
 
-    with set_current_mesh(record[2]):
-        return _placed(t, record[0], record[1])[0]
+    with set_current_mesh(mesh):
+        return _placed(t, types, spec)[0]
 
 
 def has_local_type(t: Any) -> bool:

@@ -165,6 +165,7 @@ def reduction(ctx: Ctx, linear: bool) -> Spec | Rejection:
     ndim = op.tensor.dim()
     reduced = _reduced_dims(ctx, ndim)
     keepdim = bool(ctx.arg(2, "keepdim", False))
+    summed: list[str] = []  # a sum over sharded dims: the pending sum it is (claimed before use, see tensor.py)
     for d in reduced:
         entry = op.spec[d] if ndim else ()
         pending = [a for a in entry if a not in ctx.partial]
@@ -172,12 +173,17 @@ def reduction(ctx: Ctx, linear: bool) -> Spec | Rejection:
             fixes = [gather_fix(op.label, pending, d)]
             if linear:
                 fixes.insert(0, f"spmd.sum({op.label}, {d}, out_partial_axes={_tuple_code(pending)})")
-            return ctx.reject(
+            found = ctx.reject(
                 "a reduction over a sharded dim adds up only this rank's shard; the global result needs "
                 "the shards combined.",
                 f"{ctx.display} reduces dim {d}, which is sharded on {_axes(entry)}",
                 fixes,
             )
+            if not linear:
+                return found
+            summed.extend(pending)
+    if summed:
+        return PendingSum(found.rule, found.seen, found.fixes, found.notes, tuple(summed))
     if keepdim or ctx.out_ndim() == ndim:
         return tuple(() if d in reduced else e for d, e in enumerate(op.spec))
     return tuple(e for d, e in enumerate(op.spec) if d not in reduced)

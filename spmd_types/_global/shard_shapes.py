@@ -14,8 +14,9 @@ from .._core.errors import Rejection
 from .._core.spec import Spec
 from .shard_props import Ctx, _axes, _dim, gather_fix
 
-__all__ = ["complex_view_rule", "reshape_rule", "permute_rule", "transpose_rule", "concat_rule", "stack_rule",
-           "split_rule", "index_rule", "unsqueeze_rule", "squeeze_rule", "expand_rule", "select_rule"]
+__all__ = ["complex_view_rule", "gather_rule", "scatter_rule", "reshape_rule", "permute_rule", "transpose_rule",
+           "concat_rule", "stack_rule", "split_rule", "index_rule", "unsqueeze_rule", "squeeze_rule", "expand_rule",
+           "select_rule"]
 
 
 def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -166,6 +167,54 @@ def select_rule(ctx: Ctx) -> Spec | Rejection:
     if ctx.out_ndim() < op.tensor.dim():
         return tuple(e for k, e in enumerate(op.spec) if k != d)
     return op.spec
+
+
+def gather_rule(ctx: Ctx) -> Spec | Rejection:
+    """gather / take_along_dim: the result has the index's layout; input and index are sharded alike off ``dim``,
+    and ``dim`` is whole in the input (an index may point anywhere along it)."""
+    if len(ctx.operands) < 2:
+        return ctx.reject("gather needs its index as a tensor.", "one tensor operand", [])
+    inp, idx = ctx.operands[0], ctx.operands[1]
+    d = _dim(ctx.arg(1, "dim", 0), inp.tensor.dim())
+    if inp.spec[d]:
+        return ctx.reject(
+            "gather reads any position along its dim, which must be whole in the input.",
+            f"dim {d} of {inp.label} is sharded on {_axes(inp.spec[d])}",
+            [gather_fix(inp.label, inp.spec[d], d)],
+        )
+    for k, (a, b) in enumerate(zip(inp.spec, idx.spec)):
+        if k != d and a != b:
+            sharded = (inp, a) if a else (idx, b)
+            return ctx.reject(
+                "gather pairs each index with the input at the same position off its dim: both sharded alike.",
+                f"dim {k} is sharded on {_axes(a)} in {inp.label} but on {_axes(b)} in {idx.label}",
+                [gather_fix(sharded[0].label, sharded[1], k)],
+            )
+    return idx.spec
+
+
+def scatter_rule(ctx: Ctx) -> Spec | Rejection:
+    """scatter / scatter_add / scatter_reduce: the result has the input's layout; index (and src) sharded like the
+    input off ``dim``, which is whole in the input (an index may point anywhere along it)."""
+    inp = ctx.operands[0]
+    d = _dim(ctx.arg(1, "dim", 0), inp.tensor.dim())
+    if inp.spec[d]:
+        return ctx.reject(
+            "scatter writes to any position along its dim, which must be whole in the input.",
+            f"dim {d} of {inp.label} is sharded on {_axes(inp.spec[d])}",
+            [gather_fix(inp.label, inp.spec[d], d)],
+        )
+    for other in ctx.operands[1:]:
+        for k, (a, b) in enumerate(zip(inp.spec, other.spec)):
+            if k != d and a != b:
+                sharded = (inp, a) if a else (other, b)
+                return ctx.reject(
+                    "scatter pairs each index (and value) with the input at the same position off its dim: sharded "
+                    "alike.",
+                    f"dim {k} is sharded on {_axes(a)} in {inp.label} but on {_axes(b)} in {other.label}",
+                    [gather_fix(sharded[0].label, sharded[1], k)],
+                )
+    return inp.spec
 
 
 def _index_items(index: object, ndim: int) -> list[object]:

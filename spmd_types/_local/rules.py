@@ -168,7 +168,7 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
             if op.is_tensor and op.types is WEAK:
                 return _strict_rejection(entry, op, typed[0])
     for op in typed:
-        if op.types.pending:  # type: ignore[union-attr]
+        if op.types.pending and not _claimed_by_destination(entry, typed, op):  # type: ignore[union-attr]
             return _unclaimed(entry, op)
     moved = _onto_one_mesh(entry, typed)
     if moved is not None:
@@ -426,18 +426,26 @@ def _i_mix(entry, operands, axis, inv, other) -> Rejection:
     )
 
 
+def _claimed_by_destination(entry: OpEntry, typed: list[Operand], op: Operand) -> bool:
+    """Added in place into a tensor typed P on those axes: the destination's type is the claim."""
+    if not entry.inplace or op is typed[0]:
+        return False
+    dest = typed[0].types
+    return not dest.pending and all(dest.get(a) is P for a in op.types.pending)  # type: ignore[union-attr]
+
+
 def _unclaimed(entry: OpEntry, op: Operand) -> Rejection:
     axes = sorted(op.types.pending)  # type: ignore[union-attr]
     shown = ", ".join(f"'{a}'" for a in axes)
     claim = "{" + ", ".join(f"'{a}': spmd.P" for a in axes) + "}"
     partial = "'" + axes[0] + "'" if len(axes) == 1 else "(" + ", ".join(f"'{a}'" for a in axes) + ")"
     return Rejection(
-        f"Global SPMD: {op.label} is a contraction over a sharded dim, a pending sum (P) on {shown}, and it is used "
-        f"by {entry.display} before anything claimed it. Claim it (an assert, a declared output type) or ask for it "
-        "with out_partial_axes.",
+        f"Global SPMD: {op.label} sums over a sharded dim (a contraction or a reduction): it is a pending sum (P) on "
+        f"{shown}, used by {entry.display} before anything claimed it. Claim it (an assert, a declared output type) "
+        "or ask for it with out_partial_axes.",
         [("op", entry.display), ("operand", f"{op.label}: {op.shown()} (P on {shown} not yet claimed)")],
-        [f"spmd.assert_type({op.label}, {claim}) right after the contraction",
-         f"spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes={partial})"],
+        [f"spmd.assert_type({op.label}, {claim}) right after it",
+         f"spmd.sum / spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes={partial})"],
     )
 
 
