@@ -19,7 +19,7 @@ from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize
 from .._core.state import STATE
 from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.optim_checks import name_parameters
-from .._guards.transforms import compiling, refuse_compile
+from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .tensor import make_typed, type_in_place
@@ -91,6 +91,7 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
         yield
     finally:
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
+        forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
 
 
 def is_checking() -> bool:
