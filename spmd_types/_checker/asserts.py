@@ -12,12 +12,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
-from .._core.dtensor_hook import interop, is_dtensor
+from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
 from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axis
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible, shard_in_range
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
@@ -87,6 +87,7 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
     saved = (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes)
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
+    load_if_imported()  # DTensor's registrations (DTensor.from_local of a typed tensor) before the first op
     try:
         yield
     finally:
@@ -139,6 +140,7 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     mesh = current_mesh()
     ndim = t.dim()
     spec = spec_from_shards(given, ndim, mesh.axis_names)
+    given = {a: shard_in_range(t, ndim, f"assert_type: axis '{a}'") for a, t in given.items()}  # S(-1) is S(ndim-1)
     if partition_spec is not None:
         user = normalize(partition_spec, ndim)
         check_unique(user, partition_spec)

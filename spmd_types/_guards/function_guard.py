@@ -34,11 +34,16 @@ _APPLY_CODE = torch.autograd.function.Function.apply.__func__.__code__  # type: 
 
 
 # torch's own Functions whose backward is the true derivative of ordinary ops: their bodies are checked
-# op by op (re-running ops on simulated ranks; identity with module backward hooks; checkpoint recomputation).
+# op by op (re-running ops on simulated ranks; identity with module backward hooks; checkpoint recomputation;
+# the identities FSDP2 and DDP put on a module's activations to run their hooks when backward reaches them,
+# whose communication is on the parameters, never on the activations' gradients).
 _TORCH_TRANSPARENT = frozenset({
     "torch.distributed._local_tensor._LocalContiguous",
     "torch.nn.modules._functions.BackwardHookFunction",
     "torch.utils.checkpoint.CheckpointFunction",
+    "torch.distributed.fsdp._fully_shard._fsdp_state.RegisterPreBackwardFunction",
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
+    "torch.nn.parallel.distributed._DDPSink",
 })
 
 
