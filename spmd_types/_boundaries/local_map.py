@@ -12,6 +12,7 @@ import functools
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .._checker.asserts import assert_type, type_declared_outputs
+from .._checker.declarations import check_declarations, check_positional
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.mesh import Axis, require_mesh, resolve_axis
 from .._core.state import STATE
@@ -42,19 +43,18 @@ def local_map(
             return spmd.reinterpret(F.linear(h, w), "tp", src=spmd.V, dst=spmd.P)
     """
 
-    _check_declarations(in_types, out_types)
+    check_declarations("local_map", in_types, out_types)
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if any(is_dtensor(a) for a in args):
+                check_positional(f"local_map({f.__qualname__})", args, in_types)
                 return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
             if not STATE.checking:
                 return f(*args, **kwargs)
             mesh = require_mesh("local_map")
-            offset = len(args) - len(in_types)
-            if offset < 0:
-                raise TypeError(f"local_map({f.__qualname__}): {len(in_types)} in_types for {len(args)} arguments")
+            offset = check_positional(f"local_map({f.__qualname__})", args, in_types)
             args = tuple(args[:offset]) + tuple(
                 a if spec is None else assert_type(a, spec) for a, spec in zip(args[offset:], in_types)
             )
@@ -71,23 +71,6 @@ def local_map(
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
-
-
-def _check_declarations(in_types: Any, out_types: Any) -> None:
-    """``in_types``: a sequence of type dicts (or None); ``out_types``: a type dict, or a sequence of them."""
-    if isinstance(in_types, (Mapping, str)) or not isinstance(in_types, Sequence):
-        raise TypeError(
-            "local_map: in_types takes one type dict (or None) per positional argument, e.g. "
-            f"[{{'tp': spmd.R}}]; got {in_types!r}"
-        )
-    entries = [("in_types", i, d) for i, d in enumerate(in_types)]
-    if not isinstance(out_types, Mapping):
-        if isinstance(out_types, str) or not isinstance(out_types, Sequence):
-            raise TypeError(f"local_map: out_types takes a type dict, or one (or None) per output; got {out_types!r}")
-        entries += [("out_types", i, d) for i, d in enumerate(out_types)]
-    for what, i, d in entries:
-        if d is not None and not isinstance(d, Mapping):
-            raise TypeError(f"local_map: {what}[{i}] must be a type dict {{axis: type}} or None, got {d!r}")
 
 
 def _exit(name: str, out: Any, out_types: TypeDict | Sequence[TypeDict | None]) -> Any:

@@ -21,6 +21,7 @@ from .._core.types import PartitionSpec, R, SpmdType, TypeMap, V, check_type_val
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
+from .declarations import check_declarations, check_module, check_positional
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .tensor import make_typed, type_in_place
 
@@ -371,13 +372,15 @@ def typed_boundary(
             def forward(self, x): ...
     """
 
+    check_declarations("spmd.typed_boundary", [] if in_types is None else in_types, out_types or [])
+
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not STATE.checking:
                 return fn(*args, **kwargs)
             if in_types is not None:
-                offset = len(args) - len(in_types)
+                offset = check_positional(f"spmd.typed_boundary({fn.__qualname__})", args, in_types)
                 head, tail = args[:offset], args[offset:]
                 args = tuple(head) + tuple(_assert_all(tuple(tail), list(in_types), fn.__qualname__))
             return _assert_all(fn(*args, **kwargs), out_types, fn.__qualname__)
@@ -396,6 +399,8 @@ def attach_boundary(
 
         spmd.attach_boundary(block, in_types=[{"tp": spmd.R}], out_types={"tp": spmd.R})
     """
+    check_module("spmd.attach_boundary", module)
+    check_declarations("spmd.attach_boundary", [] if in_types is None else in_types, out_types or [])
 
     def pre(mod: torch.nn.Module, args: tuple) -> tuple | None:
         if not STATE.checking or in_types is None:
