@@ -72,11 +72,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.boundary is not None:
-            spmd.assert_type(x, self.boundary)
+            x = spmd.assert_type(x, self.boundary)  # a plain local x (torchtitan's plan) comes back typed
         h = x + self.attention(self.attention_norm(x))
         out = h + self.feed_forward(self.ffn_norm(h))
         if self.boundary is not None:
-            spmd.assert_type(out, self.boundary)
+            out = spmd.assert_type(out, self.boundary)
         return out
 
 
@@ -114,8 +114,14 @@ def reference(model: Llama, tokens: torch.Tensor, targets: torch.Tensor) -> tupl
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def apply_tp(model: Llama, tp_mesh) -> Llama:
-    """Tensor + sequence parallelism on ``tp_mesh`` (1-D), as torchtitan users write the plan."""
+def apply_tp(model: Llama, tp_mesh, local_output: bool = False) -> Llama:
+    """Tensor + sequence parallelism on ``tp_mesh`` (1-D), as torchtitan users write the plan.
+
+    ``local_output=True`` is torchtitan's own plan (0.2.2's Llama3): the parallel styles keep their default
+    ``use_local_output=True``, so the attention and MLP bodies and the residual stream between blocks are plain
+    local tensors (``RowwiseParallel``'s output an ``AsyncCollectiveTensor``); the block boundaries and the
+    attention core's ``local_map`` type them, and each ``DTensor.from_local`` checks those types.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -125,8 +131,9 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
         parallelize_module,
     )
 
+    dt = {} if local_output else {"use_local_output": False}  # torchtitan's plan: the styles' defaults
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), **dt),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
@@ -134,15 +141,15 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(use_local_output=False),
-            "attention.wk": ColwiseParallel(use_local_output=False),
-            "attention.wv": ColwiseParallel(use_local_output=False),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "attention.wq": ColwiseParallel(**dt),
+            "attention.wk": ColwiseParallel(**dt),
+            "attention.wv": ColwiseParallel(**dt),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), **dt),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(use_local_output=False),
-            "feed_forward.w3": ColwiseParallel(use_local_output=False),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "feed_forward.w1": ColwiseParallel(**dt),
+            "feed_forward.w3": ColwiseParallel(**dt),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), **dt),
         })
         block.attention.core = "tp"
         block.boundary = {"tp": spmd.S(1)}  # sequence parallel between blocks

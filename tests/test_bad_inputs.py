@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import spmd_types as spmd
 from spmd_types._core.mesh import current_mesh
@@ -103,6 +104,10 @@ def twice(a):
 
 def three(a):
     return 3
+
+
+def pair(a, b):
+    return a + b
 
 
 def global_max() -> torch.Tensor:
@@ -534,7 +539,8 @@ CASES: list[Case] = [
     Case("no-typecheck-in-types-a-dict",
          lambda: spmd.no_typecheck(in_types={"tp": R}, out_types={"tp": R})(ident)(t(4)), TypeError,
          "in_types takes one type dict (or None) per positional argument"),
-    Case("boundary-arity", lambda: boundary_call([{"tp": R}, {"tp": R}]), TypeError, "ident: 2 type specs for tuple"),
+    Case("boundary-arity", lambda: boundary_call([{"tp": R}, {"tp": R}]), TypeError,
+         "spmd.typed_boundary(ident): 2 in_types for 1 arguments", exact=True),
     Case("boundary-bad-type", lambda: boundary_call([{"tp": "R"}]), TypeError, "the type for axis 'tp' " + NOT_TYPE),
     Case("attach-boundary-arity", lambda: attach_call([{"tp": R}, {"tp": R}]), TypeError,
          "Identity: 2 type specs for tuple"),
@@ -575,6 +581,60 @@ CASES: list[Case] = [
          "Invariant (I) values only combine with other I values"),
     Case("backward-from-r", lambda: ty({"tp": R}, 4).requires_grad_().sum().backward(), spmd.SpmdTypeError,
          "backward() from a Replicate (R) value"),
+    # --- issue 14, item 3: accepted silently before
+    Case("reinterpret-src-shard-out-of-range", lambda: spmd.reinterpret(ty({"tp": V}, 4, 4), "tp", src=S(2), dst=P),
+         ValueError, "spmd.reinterpret: src=S(2) names tensor dim 2, but the tensor has 2 dims", exact=True),
+    Case("reinterpret-dst-shard-out-of-range", lambda: spmd.reinterpret(ty({"tp": R}, 4, 4), "tp", src=R, dst=S(5)),
+         ValueError, "spmd.reinterpret: dst=S(5) names tensor dim 5, but the tensor has 2 dims", exact=True),
+    Case("reinterpret-dst-shard-negative-out-of-range",
+         lambda: spmd.reinterpret(ty({"tp": I}, 4, 4), "tp", src=I, dst=S(-3)), ValueError,
+         "spmd.reinterpret: dst=S(-3) names tensor dim -3, but the tensor has 2 dims", exact=True),
+    Case("reinterpret-plain-src-shard-out-of-range", lambda: spmd.reinterpret(t(4), "tp", src=S(1), dst=P),
+         ValueError, "spmd.reinterpret: src=S(1) names tensor dim 1, but the tensor has 1 dims", exact=True),
+    Case("convert-typed-src-shard-out-of-range", lambda: spmd.convert(ty({"tp": V}, 4, 4), "tp", src=S(2), dst=P),
+         ValueError, "spmd.convert: src=S(2) names tensor dim 2, but the tensor has 2 dims", exact=True),
+    Case("convert-typed-dst-shard-of-0d", lambda: spmd.convert(ty({"tp": I}), "tp", src=I, dst=S(0)),
+         ValueError, "spmd.convert: dst=S(0) names tensor dim 0, but the tensor has 0 dims", exact=True),
+    Case("redistribute-shard-out-of-range", lambda: spmd.redistribute(ty({"tp": R}, 4, 4), "tp", src=R, dst=S(2)),
+         ValueError, "spmd.redistribute: dst=S(2) names tensor dim 2, but the tensor has 2 dims", exact=True),
+    Case("local-map-unchecked-leading-tensor",
+         lambda: local_map_call(pair, [{"tp": R}], {"tp": R}, t(4), t(4)), TypeError,
+         "local_map(pair): in_types has 1 entry for 2 positional arguments, so argument 0 (a Tensor of shape "
+         "[4]) would go unchecked; give one entry per positional argument (None leaves one unchecked)", exact=True),
+    Case("typed-boundary-unchecked-leading-tensor",
+         lambda: spmd.typed_boundary(in_types=[{"tp": R}])(pair)(t(4), t(4)), TypeError,
+         "spmd.typed_boundary(pair): in_types has 1 entry for 2 positional arguments, so argument 0 (a Tensor "
+         "of shape [4]) would go unchecked; give one entry per positional argument (None leaves one unchecked)",
+         exact=True),
+    Case("attach-boundary-not-a-module", lambda: spmd.attach_boundary(ident, in_types=[{"tp": R}]), TypeError,
+         "spmd.attach_boundary takes an nn.Module (it asserts types in the module's forward hooks), got function "
+         "'ident'; for a function use @spmd.typed_boundary(in_types=..., out_types=...)", exact=True),
+    Case("attach-boundary-in-types-a-dict", lambda: spmd.attach_boundary(torch.nn.Identity(), in_types={"tp": R}),
+         TypeError, "spmd.attach_boundary: in_types takes one type dict (or None) per positional argument, e.g. "
+         "[{'tp': spmd.R}]; got {'tp': R}", exact=True),
+    Case("attach-boundary-out-types-a-type", lambda: spmd.attach_boundary(torch.nn.Identity(), out_types=R),
+         TypeError, "spmd.attach_boundary: out_types takes a type dict, or one (or None) per output; got R",
+         exact=True),
+    Case("typed-boundary-in-types-a-dict", lambda: spmd.typed_boundary(in_types={"tp": R}), TypeError,
+         "spmd.typed_boundary: in_types takes one type dict (or None) per positional argument, e.g. "
+         "[{'tp': spmd.R}]; got {'tp': R}", exact=True),
+    Case("redistribute-src-spec-disagrees-with-shard-type",
+         lambda: spmd.redistribute(ty({"dp": R, "tp": S(1)}, 4, 4), PS("tp", None), PS(None, "tp")), spmd.SpmdTypeError,
+         "  axis:          'tp': the tensor is S(1), and src_spec places 'tp' on dim 0"),
+    Case("redistribute-src-spec-leaves-out-a-shard-axis",
+         lambda: spmd.redistribute(ty({"dp": S(0), "tp": R}, 4, 4), PS(None, None), PS(None, "tp")),
+         spmd.SpmdTypeError, "'dp': the tensor is S(0), and src_spec places 'dp' on no dim"),
+    Case("redistribute-type-for-dst-spec", lambda: spmd.redistribute(ty({"tp": S(0)}, 4, 4), "tp", R), TypeError,
+         "spmd.redistribute: dst_spec takes a partition spec, got the SPMD type R; a change of type on one axis "
+         "takes src= and dst= by keyword: spmd.redistribute(x, 'tp', src=spmd.S(0), dst=spmd.R)", exact=True),
+    Case("redistribute-type-for-dst-spec-plain", lambda: spmd.redistribute(t(4, 4), "tp", P), TypeError,
+         "spmd.redistribute: dst_spec takes a partition spec, got the SPMD type P; a change of type on one axis "
+         "takes src= and dst= by keyword: spmd.redistribute(x, 'tp', src=..., dst=spmd.P)", exact=True, ctx="mesh"),
+    Case("to-dtensor-shard-out-of-range", lambda: spmd.to_dtensor(ty({"tp": V}, 4, 4), mesh(), [Shard(0), Shard(2)]),
+         ValueError, "spmd.to_dtensor: the placement Shard(dim=2) names tensor dim 2, but the tensor has 2 dims",
+         exact=True),
+    Case("dtensor-from-local-r-as-replicate", lambda: DTensor.from_local(ty({"tp": R}, 4), mesh(), [Shard(0), Replicate()]),
+         spmd.SpmdTypeError, "DTensor.from_local: the tensor is R on axis 'tp', and the placement Replicate() means I."),
 ]
 
 

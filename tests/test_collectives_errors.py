@@ -99,7 +99,7 @@ def test_non_divisible_reduce_scatter(mesh):
 def test_non_divisible_convert(mesh):
     err = _raises(ValueError, convert, torch.ones(5), "tp", src=R, dst=S(-1))
     assert str(err) == (
-        "spmd.convert: dst=S(-1) splits tensor dim 0 (size 5) into 4 equal shards on axis 'tp'; "
+        "spmd.convert: dst=S(0) splits tensor dim 0 (size 5) into 4 equal shards on axis 'tp'; "  # S(-1), counted
         "5 is not divisible by 4. Pass sizes= (one per rank) for uneven shards."
     )
 

@@ -81,6 +81,39 @@ def test_a_public_name_without_a_docstring_fails_the_build(monkeypatch):
     assert str(err.value) == "public names without a docstring: spmd_types.testing.undocumented_helper"
 
 
+SEED_TITLES = (
+    "The SPMD type system for PyTorch",
+    "JAX's sharding in types: Invariant, Varying, Unreduced, Reduced, and their transposes",
+    "A Reduced placement for DTensor",
+    "Efficient transposition of replication-inducing collectives (shard_map)",
+)
+
+
+def test_the_site_names_the_design_documents_and_sends_nobody_outside_the_repository():
+    """Issue 14 item 5: a reader of the site does not have shared/seeds/; the home page says what each one is."""
+    pages = {p.name: p.read_text() for p in DOCS.glob("*.md")}
+    assert [name for name, text in pages.items() if "shared/seeds" in text] == []
+    section = " ".join(pages["index.md"].split("## The design documents", 1)[1].split("\n## ", 1)[0].split())
+    for number, title in zip(("003", "000", "001", "002"), SEED_TITLES):
+        assert f'**Seed {number}, "{title}".**' in section
+
+
+def test_the_api_page_drops_sphinx_roles_and_literal_colons():
+    """Docstrings use :func:`x` and Example::, which mkdocstrings leaves as written: the hook reads them as prose."""
+
+    class Page:
+        class file:
+            src_uri = "api.md"
+
+    hooks = _load("hooks")
+    html = "<p>Made by :func:<code>spmd.assert_type</code>.</p><p>Example::</p><p>::</p><p>all-gather::</p>"
+    assert hooks.on_page_content(html, Page, None, None) == (
+        "<p>Made by <code>spmd.assert_type</code>.</p><p>Example:</p><p>all-gather:</p>")
+    Page.file.src_uri = "concepts.md"
+    assert hooks.on_page_content(html, Page, None, None) == html  # other pages are Markdown, left alone
+    assert "stylesheets/extra.css" in (ROOT / "mkdocs.yml").read_text() and (DOCS / "stylesheets" / "extra.css").exists()
+
+
 def test_pictures_equal_a_fresh_drawing():
     diagrams = _load("diagrams")
     want = diagrams.pictures()

@@ -91,10 +91,16 @@ def test_local_map_on_dtensors_checks_in_and_out_types():
         assert str(err.value) == (
             "local_map(_mm): output 0 becomes a DTensor, so its out_types must give a type for every mesh dim "
             "('dp', 'tp'); missing ('dp',)")
-        forgot = spmd.local_map(_mm, in_types=[None, None], out_types={"dp": S(0), "tp": P})
+        # A body's V output declared P: each rank's value is its piece of the pending sum (reinterpret(V, P),
+        # no communication either way), as the local matmul over the sharded contraction dim is.
+        declared = spmd.local_map(_mm, in_types=[None, None], out_types={"dp": S(0), "tp": P})
+        with spmd.typecheck():
+            out = declared(h, w)
+        assert strict(out.placements) == (("Shard", 0), ("Partial", None))
+        replicated = spmd.local_map(_mm, in_types=[None, None], out_types={"dp": S(0), "tp": R})
         with spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as info:
-            forgot(h, w)
-        assert info.value.rule == "local_map: output 0 of _mm is V on axis 'tp', and out_types declares P."
+            replicated(h, w)  # per-rank values are not one replicated value
+        assert info.value.rule == "local_map: output 0 of _mm is V on axis 'tp', and out_types declares R."
         stacked = spmd.local_map(lambda h: h, in_types=[None], out_types={"dp": V, "tp": V})
         with pytest.raises(ValueError) as err:
             stacked(h)

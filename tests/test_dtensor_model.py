@@ -72,6 +72,41 @@ def test_tensor_parallel_llama_on_simulated_ranks(single_device):
     assert comms.counts == {"all_gather": 5, "reduce_scatter": 5}  # the logits gather's backward is a slice
 
 
+def test_torchtitan_default_plan_with_local_outputs_on_simulated_ranks(single_device):
+    """Issue 14 item 2: torchtitan's own plan keeps use_local_output=True, so the bodies and the residual stream
+    are plain local tensors (RowwiseParallel's output an AsyncCollectiveTensor). Typed at the block boundaries and
+    by the attention core's local_map, every DTensor.from_local checks its input; the step matches one device."""
+    model, tokens, targets, ref_loss, ref_grads = single_device
+    mesh = fake_mesh((2,), ("tp",))
+    seen = []
+    with LocalTensorMode(2):
+        m = L.apply_tp(copy.deepcopy(model), mesh, local_output=True)
+        m.layers["0"].feed_forward.w2.register_forward_hook(lambda mod, args, out: seen.append(type(out).__name__))
+        with spmd.set_current_mesh(mesh), spmd.typecheck(), CommCounter() as comms:
+            loss = F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten())
+            fwd = comms.counts
+            comms.reset()
+            loss.backward()
+        torch.testing.assert_close(_full(loss), ref_loss, **TOL)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(_full(p.grad), ref_grads[name], **TOL)
+    assert seen == ["AsyncCollectiveTensor"]
+    assert fwd == {"all_gather": 6, "reduce_scatter": 5}  # the same communication as the DTensor-output plan
+    assert comms.counts == {"all_gather": 5, "reduce_scatter": 5}
+
+
+def test_torchtitan_default_plan_checks_the_typed_locals(single_device):
+    model, tokens, _, _, _ = single_device
+    mesh = fake_mesh((2,), ("tp",))
+    m = L.apply_tp(copy.deepcopy(model), mesh, local_output=True)
+    m.layers["0"].boundary = {"tp": spmd.R}  # wrong: the block input is this rank's sequence shard
+    with spmd.set_current_mesh(mesh), spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as info:
+        m(tokens)
+    assert info.value.rule == (
+        "DTensor.from_local: the tensor is R on axis 'tp', and the placement Shard(dim=1) means S(1).")
+    assert info.value.fixes == ("spmd.convert(x, 'tp', src=spmd.R, dst=spmd.S(1))",)
+
+
 def test_fsdp_gather_to_reduced_on_simulated_ranks(single_device):
     model, tokens, targets, ref_loss, ref_grads = single_device
     mesh = fake_mesh((2,), ("dp",))
@@ -154,3 +189,27 @@ def test_tp_and_fully_shard_on_gloo_match_one_device(gloo_rows):
         # tp all-reduce of the 5 SequenceParallel norm weights' Partial gradients (FSDP needs them Replicate).
         assert {k: v for k, v in row["backward"].items() if k.startswith("dtensor") and "wrap" not in k} == {
             "dtensor all_gather": 5, "dtensor reduce_scatter": 5, "dtensor all_reduce": 5}
+
+
+def test_the_loss_example_on_the_dtensor_page_prints_what_the_page_says(tmp_path, monkeypatch):
+    """docs/dtensor.md: a loss over a sharded class dim passes local SPMD and is refused by global SPMD."""
+    import contextlib
+    import io
+    import linecache
+    import pathlib
+    import re
+    import runpy
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "dtensor.md").read_text()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", page, flags=re.S | re.M)
+    pairs = [(code, out) for (lang, code), (lang2, out) in zip(blocks, blocks[1:]) if (lang, lang2) == ("python", "text")]
+    assert len(pairs) == 1
+    code, output = pairs[0]
+    monkeypatch.setenv("SPMD_TYPES_ERRORS", "plain")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.py").write_text(code)
+    linecache.clearcache()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path("model.py", run_name="__main__")
+    assert printed.getvalue() == output

@@ -257,3 +257,66 @@ def test_the_issue_repros_now_type_or_refuse():
         ok = spmd.convert(dt, "tp", src=I, dst=S(0))
         assert strict(ok.placements) == (("Shard", 0),)
         assert torch.equal(rank_values(ok.full_tensor())[0], rank_values(dt._local_tensor)[0])
+
+
+# ---------------------------------------------------------------------------
+# issue 14, item 2: torchtitan's own defaults (async redistribute outputs, Shard(-1) input layouts)
+
+
+def test_from_dtensor_of_an_async_redistribute_is_typed_and_differentiable():
+    """RowwiseParallel's output hook redistributes with async_op=True: the local tensor is an AsyncCollectiveTensor."""
+    mesh = fake_mesh((2,), ("tp",))
+    with LocalTensorMode(2), spmd.set_current_mesh(mesh):
+        a = random_value(mesh, {"tp": P}, (2, 8, 4)).requires_grad_()
+        dt = DTensor.from_local(a, mesh, [Partial()]).redistribute(mesh, [Shard(1)], async_op=True)
+        assert type(dt._local_tensor).__name__ == "AsyncCollectiveTensor"
+        with spmd.typecheck():
+            x = spmd.from_dtensor(dt)
+            assert spmd.get_type(x) == {"tp": S(1)}
+            as_typed = spmd.assert_type(dt.to_local(), {"tp": S(1)})  # use_local_output=True hands over the same
+            assert spmd.get_type(as_typed) == {"tp": S(1)}
+        full = sum(rank_values(a).values())  # the pending sum, reduce-scattered on dim 1
+        for r, v in rank_values(x).items():
+            assert torch.equal(v, full.chunk(2, 1)[r])
+        (x.sum() + as_typed.sum()).backward()  # both reach the Partial input through DTensor's backward
+        for v in rank_values(a.grad).values():
+            assert torch.equal(v, torch.full((2, 8, 4), 2.0))
+
+
+def test_negative_shard_dims_are_counted_from_the_front_where_they_enter():
+    mesh = fake_mesh((2,), ("tp",))
+    with LocalTensorMode(2), spmd.set_current_mesh(mesh), spmd.typecheck():
+        x = spmd.assert_type(random_value(mesh, {"tp": V}, (2, 4, 4)), {"tp": S(-1)})
+        assert spmd.get_type(x) == {"tp": S(2)}  # S(-1) and S(2) are one type on a 3-d tensor
+        dt = spmd.to_dtensor(x, mesh, [Shard(-1)])  # RowwiseParallel's default input_layouts
+        assert strict(dt.placements) == (("Shard", 2),)
+        assert spmd.get_type(spmd.from_dtensor(dt)) == {"tp": S(2)}
+        spmd.assert_type(dt, {"tp": S(-1)})  # passes: the DTensor is Shard(2)
+        y = spmd.convert(spmd.assert_type(random_value(mesh, {"tp": I}, (2, 4, 4)), {"tp": I}), "tp", src=I,
+                         dst=S(-1))
+        assert spmd.get_type(y) == {"tp": S(2)}
+        assert spmd.get_type(spmd.all_gather(y, "tp", src=S(2), dst=R)) == {"tp": R}
+        assert spmd.get_type(spmd.redistribute(y, "tp", src=S(-1), dst=S(2))) == {"tp": S(2)}  # the same type
+        msg = _message(ValueError, spmd.to_dtensor, x, mesh, [Shard(3)])
+    assert msg == "spmd.to_dtensor: the placement Shard(dim=3) names tensor dim 3, but the tensor has 3 dims"
+
+
+def test_dtensor_from_local_of_a_typed_tensor_is_checked_like_to_dtensor():
+    """torch's parallel styles call DTensor.from_local on plain local inputs (torchtitan's use_local_output=True)."""
+    mesh = fake_mesh((2,), ("tp",))
+    with LocalTensorMode(2), spmd.set_current_mesh(mesh), spmd.typecheck():
+        i = spmd.assert_type(random_value(mesh, {"tp": I}, (3, 4)).requires_grad_(), {"tp": I})
+        dt = DTensor.from_local(i, mesh, [Replicate()])
+        assert spmd.get_type(dt._local_tensor) is None  # the DTensor holds a plain alias, never a typed tensor
+        (dt.redistribute(mesh, [Shard(0)]).to_local() * 3).sum().backward()
+        assert spmd.get_type(i.grad) == {"tp": I}
+        for v in rank_values(i.grad).values():
+            assert torch.equal(v, torch.full((3, 4), 3.0))  # Replicate's gradient, summed by DTensor: I's
+        r = spmd.assert_type(random_value(mesh, {"tp": R}, (3, 4)).requires_grad_(), {"tp": R})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            DTensor.from_local(r, mesh, [Replicate()])
+        v = spmd.assert_type(random_value(mesh, {"tp": V}, (3, 4)), {"tp": V})
+        assert strict(DTensor.from_local(v, mesh, [Shard(-1)]).placements) == (("Shard", 1),)
+    assert err.value.rule == "DTensor.from_local: the tensor is R on axis 'tp', and the placement Replicate() means I."
+    assert err.value.seen == (("tensor", "{tp: R}"), ("placements", "Replicate()"))
+    assert err.value.fixes == ("spmd.convert(x, 'tp', src=spmd.R, dst=spmd.I)",)

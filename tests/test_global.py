@@ -285,3 +285,20 @@ def test_assert_type_on_a_module_in_global_spmd(glob):
     lin = torch.nn.Linear(4, 4)
     spmd.assert_type(lin, {"tp": R})  # dp left out: replicated in global SPMD, as for a tensor
     assert spmd.get_type(lin.weight) == {"dp": R, "tp": R}
+
+
+def test_a_short_partition_spec_is_padded_with_none_as_in_jax(glob, mesh_dp_tp):
+    """Issue 14 item 4, choice 27: PartitionSpec("dp") on a 2-d tensor is PartitionSpec("dp", None)."""
+    PS = spmd.PartitionSpec
+    short = spmd.assert_type(torch.randn(2, 4), {}, PS("dp"))
+    full = spmd.assert_type(torch.randn(2, 4), {}, PS("dp", None))
+    assert spmd.get_partition_spec(short) == spmd.get_partition_spec(full) == PS("dp", None)
+    assert spmd.get_type(short) == spmd.get_type(full) == {"dp": V, "tp": R}
+    assert repr(short) == "f32[4@dp,4] {dp: V, tp: R}"
+    moved = spmd.redistribute(short, PS("dp"), PS(None, "dp"))
+    assert spmd.get_partition_spec(moved) == PS(None, "dp")
+    one = spmd.plan_redistribute((8, 16), PS("dp"), PS(None, ("dp", "tp")))
+    two = spmd.plan_redistribute((8, 16), PS("dp", None), PS(None, ("dp", "tp")))
+    assert list(one) == list(two)
+    with pytest.raises(ValueError, match=r"partition spec \('dp', None, 'tp'\) has 3 entries for a 2-d tensor"):
+        spmd.assert_type(torch.randn(2, 4), {}, PS("dp", None, "tp"))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types import I, P, R, V
+from spmd_types import I, P, R, S, V
 from spmd_types.testing import denote, random_value
 
 
@@ -152,19 +153,96 @@ def _compile(fn, backend, fullgraph=True):
     return torch.compile(fn, backend=backend, fullgraph=fullgraph)
 
 
+IV_RULE = (
+    "Invariant (I) values only combine with other I values: Tensor.__add__ (+) combines other (I) with input (V). "
+    "Convert the I operand to R, so that its gradient is all-reduced in backward."
+)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compile_refuses_typed_inputs(mesh, backend):
+def test_compile_of_typed_inputs(mesh, backend, fullgraph):
+    """fullgraph=True: the one clear error. Otherwise dynamo falls back to eager, and the code runs checked."""
     with spmd.typecheck():
         x = spmd.assert_type(torch.randn(3, 4), {"tp": V})
-        i = spmd.assert_type(torch.randn(4), {"tp": I})
+        i = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
+        if fullgraph:
+            with pytest.raises(spmd.SpmdTypeError) as err:
+                _compile(lambda a, b: a * b, backend, fullgraph)(x, x)  # well typed
+            assert err.value.rule == COMPILE_RULE
+            assert err.value.seen == (("tensor", "f32[3,4] {tp: V}"),)
+            assert err.value.fixes == COMPILE_FIX
+        else:
+            out = _compile(lambda a, b: a * b, backend, fullgraph)(x, x)
+            assert spmd.get_type(out) == {"tp": V}
+            torch.testing.assert_close(out, (x * x).detach())
         with pytest.raises(spmd.SpmdTypeError) as err:
-            _compile(lambda a, b: a * b, backend)(x, x)  # well typed
-        assert err.value.rule == COMPILE_RULE
-        assert err.value.seen == (("tensor", "f32[3,4] {tp: V}"),)
-        assert err.value.fixes == COMPILE_FIX
+            _compile(lambda a, b: a + b, backend, fullgraph)(x, i)  # an I + V bug: never run unchecked
+        assert err.value.rule == (COMPILE_RULE if fullgraph else IV_RULE)
+
+
+def _tp_mlp(x, w1, w2):
+    h = F.gelu(F.linear(spmd.convert(x, "tp", src=I, dst=R), w1))
+    return spmd.all_reduce(F.linear(h, w2), "tp", src=V, dst=I)
+
+
+def _sp_mlp(x, w1, w2):
+    """Sequence parallel: gather the sequence in, reduce-scatter it out (the typed collectives' Functions)."""
+    h = F.gelu(F.linear(spmd.all_gather(x, "tp", src=S(0), dst=R), w1))
+    return spmd.reduce_scatter(F.linear(h, w2), "tp", src=V, dst=S(0))
+
+
+_MLPS = {"tp": (_tp_mlp, I, (4, 4)), "sp": (_sp_mlp, S(0), (2, 4))}
+
+
+def _run_mlp(m, name, fn):
+    """Run ``fn`` (the MLP or its compiled form) on 2 simulated ranks: output and gradients, denoted."""
+    program, x_type, x_shape = _MLPS[name]
+    with LocalTensorMode(2), spmd.typecheck():
+        x = spmd.assert_type(random_value(m, {"tp": x_type}, x_shape).requires_grad_(), {"tp": x_type})
+        w1 = spmd.assert_type(torch.nn.Parameter(random_value(m, {"tp": V}, (8, 4), seed=1)), {"tp": V})
+        w2 = spmd.assert_type(torch.nn.Parameter(random_value(m, {"tp": V}, (4, 8), seed=2)), {"tp": V})
+        out = fn(x, w1, w2)
+        out_type = spmd.get_type(out)
+        out.sum().backward()
+        return out_type, [denote(t, m, {"tp": ty}) for t, ty in
+                          ((out, out_type["tp"]), (x.grad, x_type), (w1.grad, V), (w2.grad, V))]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", ["tp", "sp"])
+def test_compile_of_a_typed_mlp(mesh, name, backend, fullgraph):
+    """Issue 14 item 1: the package's own Functions (Convert, Reinterpret, the collectives) never trip the
+    unregistered-Function guard while dynamo converts frames; without fullgraph the step runs checked, eagerly."""
+    program = _MLPS[name][0]
+    want_type, want = _run_mlp(mesh, name, program)
+    if fullgraph:
         with pytest.raises(spmd.SpmdTypeError) as err:
-            _compile(lambda a, b: a + b, backend)(x, i)  # an I + V bug: refused, never run unchecked
+            _run_mlp(mesh, name, _compile(program, backend, fullgraph))
         assert err.value.rule == COMPILE_RULE
+        return
+    got_type, got = _run_mlp(mesh, name, _compile(program, backend, fullgraph))
+    assert got_type == want_type
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_erased_program_compiles_whole_after_a_typed_call(mesh):
+    """The eager fallback of a typed call is not remembered past typecheck(): the erased program compiles."""
+
+    def program(x, w):
+        h = F.linear(x, w)
+        torch._dynamo.graph_break()
+        return torch.relu(h) * 2
+
+    fn = _compile(program, "eager", fullgraph=False)
+    with spmd.typecheck():
+        out = fn(spmd.assert_type(torch.randn(3, 4), {"tp": R}), spmd.assert_type(torch.randn(8, 4), {"tp": V}))
+        assert spmd.get_type(out) == {"tp": V}
+    torch._dynamo.utils.counters.clear()
+    fn(torch.randn(3, 4), torch.randn(8, 4))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # both sides of the graph break
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
@@ -177,17 +255,26 @@ def test_compile_refuses_typing_inside_the_compiled_function(mesh, fullgraph):
     assert err.value.seen == (("tensor", "a tensor given its type inside the compiled function (spmd.assert_type)"),)
 
 
-def test_compile_refuses_a_module_with_typed_parameters_outside_typecheck(mesh):
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compile_of_a_module_with_typed_parameters_outside_typecheck(mesh, fullgraph):
+    """Outside typecheck() nothing is checked (choice 4); a typed parameter still cannot be traced."""
     with spmd.typecheck():
         lin = _linear({"tp": R})
-    with pytest.raises(spmd.SpmdTypeError) as err:
-        _compile(lin, "aot_eager")(torch.randn(2, 4))
-    assert err.value.rule == COMPILE_RULE
-    assert err.value.seen == (("tensor", "f32[4,4] {tp: R}"),)
+    x = torch.randn(2, 4)
+    if fullgraph:
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            _compile(lin, "aot_eager", fullgraph)(x)
+        assert err.value.rule == COMPILE_RULE
+        assert err.value.seen == (("tensor", "f32[4,4] {tp: R}"),)
+    else:  # dynamo's eager fallback: the erased module's plain result
+        out = _compile(lin, "aot_eager", fullgraph)(x)
+        assert spmd.get_type(out) is None
+        torch.testing.assert_close(out, x @ lin.weight.detach().T)
 
 
+@pytest.mark.parametrize("fullgraph", [True, False])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_erased_program_compiles_and_matches_the_checked_run(mesh, backend):
+def test_erased_program_compiles_and_matches_the_checked_run(mesh, backend, fullgraph):
     """The fix: check eagerly, compile the same code on plain tensors."""
 
     def program(x, w):
@@ -199,6 +286,6 @@ def test_erased_program_compiles_and_matches_the_checked_run(mesh, backend):
     with spmd.typecheck():  # assert_type types in place: the checked run types copies, the compiled one the originals
         checked = program(spmd.assert_type(x.clone(), {"tp": I}), spmd.assert_type(w.clone(), {"tp": V}))
         assert spmd.get_type(checked) == {"tp": I}
-    compiled = _compile(program, backend)(x, w)
+    compiled = _compile(program, backend, fullgraph)(x, w)
     assert spmd.get_type(compiled) is None
     torch.testing.assert_close(compiled, checked.detach())

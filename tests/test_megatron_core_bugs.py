@@ -256,7 +256,7 @@ def test_bug_row_parallel_input_split_again(cpu):
     err = _caught(model, mesh, batch)
     assert err.rule == "spmd.convert's src= must be the input's type on the axis: src=I, but the tensor is V on axis 'tp'."
     assert _at(err) == ("attention.py", "output, bias = self.linear_proj(core_attn_out)")
-    assert err.fixes[0] == "spmd.all_to_all(x, 'tp', src=spmd.V, dst=spmd.S(-1))"
+    assert err.fixes[0] == "spmd.all_to_all(x, 'tp', src=spmd.V, dst=spmd.S(2))"  # S(-1) of the 3-d input
 
 
 def test_bug_gather_with_tensor_parallel_output_grad_on_duplicated_compute(cpu):

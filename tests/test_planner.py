@@ -14,6 +14,7 @@ import torch
 from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
+import spmd_types as spmd
 from spmd_types._comm.planner import Plan, plan_redistribute
 from spmd_types._comm.planner_exec import execute_plan
 
@@ -198,6 +199,22 @@ def test_tensor_input_and_device_mesh():
     plan = plan_redistribute(x, ("tp", None), (None, "tp"), mesh)
     assert plan.global_shape == (8, 4) and plan.itemsize == 8
     assert plan.collectives == [("all_to_all", ("tp",))] and plan.total_bytes == 3 / 4 * 64
+
+
+def test_a_plan_is_the_sequence_of_its_steps():
+    """Issue 14 item 3: users read a plan as its steps: len, indexing, iteration, as print(plan) numbers them."""
+    import collections.abc
+
+    plan = spmd.plan_redistribute((8, 4), (("dp", "tp"), None), (("tp", "dp"), None), {"dp": 2, "tp": 4})
+    assert isinstance(plan, collections.abc.Sequence)
+    assert len(plan) == len(plan.steps) == len(str(plan).splitlines()) - 3  # header, column names, total
+    assert list(plan) == list(plan.steps) and plan[0] is plan.steps[0] and plan[-1] is plan.steps[-1]
+    assert plan[1:] == plan.steps[1:] and plan.steps[0] in plan
+    one = spmd.plan_redistribute((8,), (("dp", "tp"),), (None,), {"dp": 2, "tp": 4})  # the docstring's example
+    assert ([(s.collective, s.axes) for s in one], len(one), one.total_bytes) == (
+        [("all_gather", ("dp", "tp"))], 1, 28.0)
+    nothing = spmd.plan_redistribute((8,), ("tp",), ("tp",), {"tp": 4})
+    assert len(nothing) == 0 and list(nothing) == []
 
 
 def test_autograd_flows_through_execute():

@@ -120,3 +120,41 @@ def test_global_spmd_has_no_place_for_a_per_rank_scalar(tp4):
         "Global SPMD: the tensor is V on axis 'tp', which is checked in global SPMD, but no dim is sharded on it: "
         "say how it reassembles with S(d) or partition_spec=."
     )
+
+
+# ---------------------------------------------------------------------------
+# issue 14, item 4: factories from a typed scalar (choice 28)
+
+
+def test_a_copy_of_a_typed_scalar_written_as_an_op_keeps_its_type_on_simulated_ranks(tp4):
+    """torch.tensor / torch.full read no types (choice 28): the spellings the docs give do, with the values."""
+    with LocalTensorMode(4), spmd.typecheck():
+        s = spmd.Scalar(per_rank(lambda r: torch.tensor(r / 2)), {"tp": V})
+        s2 = spmd.Scalar(per_rank(lambda r: torch.tensor(float(r))), {"tp": V})
+        copies = {
+            "torch.tensor(s)": s.detach().clone(),
+            "torch.tensor(s, dtype=torch.float64)": s.to(torch.float64),
+            "torch.full((4,), s)": s.expand(4).clone(),
+            "torch.tensor([s, s2])": torch.stack([s, s2]),
+        }
+        for name, c in copies.items():
+            assert spmd.get_type(c) == {"tp": V}, name
+        assert copies["torch.tensor(s, dtype=torch.float64)"].dtype == torch.float64
+        for r, v in rank_values(copies["torch.full((4,), s)"]).items():
+            assert torch.equal(v, torch.full((4,), r / 2))
+        for r, v in rank_values(copies["torch.tensor([s, s2])"]).items():
+            assert torch.equal(v, torch.tensor([r / 2, float(r)]))
+
+
+def test_a_factory_of_a_typed_scalar_is_plain_and_strict_mode_names_it(tp4):
+    """torch.tensor is not overridable by a tensor subclass: its result is plain (weak), as choice 28 says."""
+    with spmd.typecheck(strict=True):
+        s = spmd.Scalar(0.5, {"tp": V})
+        with pytest.warns(UserWarning, match="To copy construct from a tensor"):
+            copy = torch.tensor(s)
+        assert spmd.get_type(copy) is None
+        x = spmd.assert_type(torch.ones(3), {"tp": V})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            x * copy
+    assert err.value.rule == (
+        "Strict typechecking: Tensor.__mul__ (*) got a plain (untyped) tensor as other; give it a type first.")

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from .._checker.asserts import assert_type, declared_leaf, type_declared_outputs
+from .._checker.declarations import check_positional
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.mesh import Axis, require_mesh, resolve_axes
 from .._core.state import STATE
@@ -75,6 +76,7 @@ def local_map(
                 if in_types is Infer:
                     raise NotImplementedError("local_map on DTensor arguments needs in_types (Infer is not built "
                                               "for DTensors): declare one per positional argument")
+                check_positional(f"local_map({f.__qualname__})", args, in_types)
                 return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
             if not STATE.checking:
                 return f(*args, **kwargs)
@@ -124,9 +126,7 @@ def _local_on(mesh: Any, names: list[str] | None) -> Iterator[None]:
 
 
 def _enter(name: str, args: tuple, in_types: Sequence[Any]) -> tuple:
-    offset = len(args) - len(in_types)
-    if offset < 0:
-        raise TypeError(f"local_map({name}): {len(in_types)} in_types for {len(args)} arguments")
+    offset = check_positional(f"local_map({name})", args, in_types)  # a leading tensor left out is an error
     return tuple(args[:offset]) + tuple(_assert_declared(a, spec) for a, spec in zip(args[offset:], in_types))
 
 

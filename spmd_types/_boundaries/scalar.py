@@ -32,7 +32,9 @@ def Scalar(  # noqa: N802 - named like a type, as spmd.S is
     ``SymInt`` such as a per-rank index under the simulator), or a 0-d tensor.
     ``types`` is a type dict as for ``assert_type``. ``dtype`` defaults to
     what ``torch.tensor(value)`` picks; ``device`` to the CPU (a 0-d CPU
-    tensor mixes with tensors on any device).
+    tensor mixes with tensors on any device). A copy keeps the type when it is
+    an op on the scalar (``s.detach().clone()``, ``s.to(torch.float64)``);
+    ``torch.tensor(s)`` is plain, as torch's factories read no types (choice 28).
 
     Example::
 

@@ -12,15 +12,17 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
-from .._core.dtensor_hook import interop, is_dtensor
+from .._core.async_tensor import settled
+from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
 from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.types import P, PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.types import P, PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible, shard_in_range
 from .._guards.optim_checks import name_parameters
-from .._guards.transforms import compiling, refuse_compile
+from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
+from .declarations import check_declarations, check_module, check_positional
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .latent import apply_remembered, remember, remembered
 from .tensor import make_typed, type_in_place
@@ -89,11 +91,13 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
     saved = (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes)
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
+    load_if_imported()  # DTensor's registrations (DTensor.from_local of a typed tensor) before the first op
     try:
         apply_remembered(assert_type)  # types given by assert_type outside typecheck()
         yield
     finally:
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
+        forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
 
 
 def is_checking() -> bool:
@@ -137,6 +141,7 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     mesh = current_mesh()
     ndim = t.dim()
     spec = spec_from_shards(given, ndim, mesh.typed_axes)
+    given = {a: shard_in_range(t, ndim, f"assert_type: axis '{a}'") for a, t in given.items()}  # S(-1) is S(ndim-1)
     if partition_spec is not None:
         user = normalize(partition_spec, ndim)
         user = _typed_spec(user)
@@ -258,7 +263,11 @@ def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None) -> torch.T
     if have is None:
         if STATE.global_mode:
             _check_layout(want, spec if spec is not None else tuple(() for _ in range(t.dim())))
-        out = type_in_place(t, want)  # the object given carries the type (torchtitan never reads the result)
+        waited = settled(t)
+        if waited is not t:  # an AsyncCollectiveTensor (a wrapper) cannot become an LTensor: its waited value does
+            out = make_typed(waited, want)
+        else:
+            out = type_in_place(t, want)  # the object given carries the type (torchtitan never reads the result)
         if spec is not None:
             out._spmd_spec = spec
         return out
@@ -447,13 +456,15 @@ def typed_boundary(
             def forward(self, x): ...
     """
 
+    check_declarations("spmd.typed_boundary", [] if in_types is None else in_types, out_types or [])
+
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not STATE.checking:
                 return fn(*args, **kwargs)
             if in_types is not None:
-                offset = len(args) - len(in_types)
+                offset = check_positional(f"spmd.typed_boundary({fn.__qualname__})", args, in_types)
                 head, tail = args[:offset], args[offset:]
                 args = tuple(head) + tuple(_assert_all(tuple(tail), list(in_types), fn.__qualname__))
             return _assert_all(fn(*args, **kwargs), out_types, fn.__qualname__)
@@ -472,6 +483,8 @@ def attach_boundary(
 
         spmd.attach_boundary(block, in_types=[{"tp": spmd.R}], out_types={"tp": spmd.R})
     """
+    check_module("spmd.attach_boundary", module)
+    check_declarations("spmd.attach_boundary", [] if in_types is None else in_types, out_types or [])
 
     def pre(mod: torch.nn.Module, args: tuple) -> tuple | None:
         if not STATE.checking or in_types is None:

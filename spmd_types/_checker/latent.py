@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .._core.dtensor_hook import is_dtensor
 from .._core.mesh import current_mesh, set_current_mesh
 
 __all__ = ["remember", "apply_remembered", "remembered", "LATENT_ATTR"]
@@ -35,8 +36,8 @@ def remember(t: Any, types: Any, partition_spec: Any) -> Any:
         for member in list(t.parameters()) + list(t.buffers()):
             remember(member, types, None)
         return t
-    if not isinstance(t, torch.Tensor) or getattr(t, "_spmd_types", None) is not None:
-        return t
+    if not isinstance(t, torch.Tensor) or getattr(t, "_spmd_types", None) is not None or is_dtensor(t):
+        return t  # a DTensor carries its layout in its placements: asserted only under checking
     t.__dict__[LATENT_ATTR] = (types, partition_spec, current_mesh())
     key = id(t)
     _PENDING[key] = weakref.ref(t, lambda _: _PENDING.pop(key, None))

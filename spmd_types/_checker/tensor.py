@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._core.async_tensor import settled
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.spec import format_shape, short_dtype
@@ -533,6 +534,7 @@ def _check_backward_root(args, kwargs) -> None:
 
 def make_typed(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
     """An LTensor view of plain ``t`` with ``types`` (``t`` itself is left alone)."""
+    t = settled(t)  # an AsyncCollectiveTensor (torchtitan's RowwiseParallel output) waited on first
     out = _run(torch.Tensor.view_as, (t, t), {})
     out.__class__ = _typed_class_for(out)
     out._spmd_types = types

@@ -24,7 +24,7 @@ from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh, resolve_axis
 from .._core.spaces import move_types
 from .._core.state import STATE
-from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible
+from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
 from .._guards.strict import untyped_input
 from .._local.transitions import allowed, backward_of, find, route_call
 from .impl import AxisComm
@@ -229,6 +229,7 @@ def begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str = "sum") -
         raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
     src = check_type_value(src, f"{opname}: src")
     dst = check_type_value(dst, f"{opname}: dst")
+    src, dst = shards_in_range(opname, x, src, dst)
     if reduce not in _REDUCE_OPS:
         raise ValueError(f"{opname}: op must be 'sum' or 'avg', got {reduce!r}")
     if reduce == "avg" and not (x.is_floating_point() or x.is_complex()):
@@ -328,6 +329,15 @@ def norm_dim(opname: str, what: str, d: int, ndim: int) -> int:
     if not -ndim <= d < ndim:
         raise ValueError(f"{opname}: {what} names tensor dim {d}, but the tensor has {ndim} dims")
     return d % ndim
+
+
+def shards_in_range(opname: str, x: torch.Tensor, src: SpmdType, dst: SpmdType) -> tuple[SpmdType, SpmdType]:
+    """``src`` and ``dst`` with their S(d) checked against ``x``'s dims and counted from the front."""
+    if getattr(src, "dim", None) is None and getattr(dst, "dim", None) is None:
+        return src, dst
+    with _DisableTF():
+        ndim = x.dim()
+    return shard_in_range(src, ndim, f"{opname}: src"), shard_in_range(dst, ndim, f"{opname}: dst")
 
 
 def check_sizes(opname: str, sizes: Sequence[int] | None, comm: AxisComm) -> tuple[int, ...] | None:

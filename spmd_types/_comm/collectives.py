@@ -34,6 +34,7 @@ from .call import (
     finish,
     norm_dim,
     resolve_comm,
+    shards_in_range,
     type_result,
     unwrap,
 )
@@ -134,6 +135,7 @@ def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str)
         raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
     src = check_type_value(src, f"{opname}: src")
     dst = check_type_value(dst, f"{opname}: dst")
+    src, dst = shards_in_range(opname, x, src, dst)
     comm = resolve_comm(opname, axis)
     if not any(row.src is base_type(src) and row.dst is dst for row in EXTREME_ROWS):
         _reject_extreme(opname, comm, src, dst, op)
@@ -360,6 +362,7 @@ def redistribute(
         raise TypeError("spmd.redistribute takes (x, axis, src=, dst=) or (x, src_spec, dst_spec)")
     src = check_type_value(src, "spmd.redistribute: src")
     dst = check_type_value(dst, "spmd.redistribute: dst")
+    src, dst = shards_in_range("spmd.redistribute", x, src, dst)
     if src is dst:  # nothing to do, but src= must still be the tensor's type
         check_input("spmd.redistribute", x, resolve_comm("spmd.redistribute", axis), src, dst)
         return x

@@ -26,7 +26,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence, overload
 
 from .._core.spec import normalize
 
@@ -69,8 +69,9 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A redistribute plan: steps, and its communication volume per rank.
+class Plan(Sequence[Step]):
+    """A redistribute plan: a sequence of steps (``len(plan)``, ``plan[0]``, ``for step in plan``, as
+    ``print(plan)`` numbers them), and its communication volume per rank.
 
     Cost model (ring algorithms, bytes SENT per rank, n = size of the (flattened) group):
     all_gather and reduce_scatter move (n-1)/n of the full (gathered) buffer, all_reduce
@@ -81,8 +82,8 @@ class Plan:
     Example::
 
         >>> p = plan_redistribute((8,), (("dp", "tp"),), (None,), {"dp": 2, "tp": 4})
-        >>> [(s.collective, s.axes) for s in p.steps], p.total_bytes
-        ([('all_gather', ('dp', 'tp'))], 28.0)
+        >>> [(s.collective, s.axes) for s in p], len(p), p.total_bytes
+        ([('all_gather', ('dp', 'tp'))], 1, 28.0)
     """
 
     steps: tuple[Step, ...]
@@ -93,6 +94,21 @@ class Plan:
     dst: str
     src_local_shape: tuple[int, ...]
     naive_steps: tuple[Step, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @overload
+    def __getitem__(self, index: int) -> Step: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Step, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Step | tuple[Step, ...]:
+        return self.steps[index]
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
 
     @property
     def total_bytes(self) -> float:

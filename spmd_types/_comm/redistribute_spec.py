@@ -55,6 +55,7 @@ def plan_redistribute(x_or_shape: Any, src_spec: Sequence[Any], dst_spec: Sequen
 def redistribute_spec(x: torch.Tensor, src_spec: Sequence[Any], dst_spec: Sequence[Any], *,
                       src_partial: Sequence[str] = (), dst_partial: Sequence[str] = ()) -> torch.Tensor:
     """Move ``x`` from layout ``src_spec`` to ``dst_spec``, keeping its global value."""
+    _refuse_a_type_for_a_spec(x, src_spec, dst_spec)
     device_mesh = _device_mesh("spmd.redistribute")
     src_partial = (src_partial,) if isinstance(src_partial, str) else tuple(src_partial)
     dst_partial = (dst_partial,) if isinstance(dst_partial, str) else tuple(dst_partial)
@@ -73,19 +74,40 @@ def redistribute_spec(x: torch.Tensor, src_spec: Sequence[Any], dst_spec: Sequen
     return typed
 
 
+def _refuse_a_type_for_a_spec(x: Any, src_spec: Any, dst_spec: Any) -> None:
+    """``spmd.redistribute(x, 'tp', spmd.R)``: a type given where the partition-spec form takes ``dst_spec``."""
+    if not isinstance(dst_spec, SpmdType):
+        return
+    have = getattr(x, "_spmd_types", None)
+    src = have.get(src_spec) if (have is not None and isinstance(src_spec, str)) else None
+    axis = repr(src_spec) if isinstance(src_spec, str) else "axis"
+    raise TypeError(
+        f"spmd.redistribute: dst_spec takes a partition spec, got the SPMD type {dst_spec}; a change of type on "
+        f"one axis takes src= and dst= by keyword: spmd.redistribute(x, {axis}, src="
+        f"{src.code() if src is not None else '...'}, dst={dst_spec.code()})"
+    )
+
+
 def _check_source(x: torch.Tensor, types: TypeMap, src: Spec, src_partial: tuple[str, ...]) -> None:
     placed = axes_of(src)
     have = getattr(x, "_spmd_spec", None)
     for axis, t in types.items:
         want = V if axis in placed else (P if axis in src_partial else None)
         bad = (want is V and not t.is_varying) or (want is P and t is not P) or (want is None and (t.is_varying or t is P))
+        shard = getattr(t, "dim", None)  # S(d) says which dim, in local SPMD too (V may be any)
+        where = [d for d, entry in enumerate(src) if axis in entry]
+        if shard is not None and where != [shard]:
+            bad, seen = True, f"'{axis}': the tensor is {t}, and src_spec places '{axis}' on " + (
+                f"dim {where[0]}" if where else "no dim")
+        else:
+            seen = f"'{axis}': the tensor is {t}"
         if bad or (STATE.global_mode and have is not None and tuple(have) != tuple(src)):
             raise SpmdTypeError(
                 Rejection(
                     "spmd.redistribute: src_spec (and src_partial) must describe the tensor as it is.",
                     [("tensor", types.format()), ("tensor's spec", repr(to_partition_spec(have)) if have else "none"),
                      ("src_spec", repr(to_partition_spec(src))), ("src_partial", str(src_partial)),
-                     ("axis", f"'{axis}': the tensor is {t}")],
+                     ("axis", seen)],
                     ["pass the tensor's own layout as src_spec (spmd.get_partition_spec(x))"],
                 ),
                 user_source_line(),

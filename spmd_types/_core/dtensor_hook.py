@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_dtensor", "interop"]
+__all__ = ["is_dtensor", "interop", "load_if_imported"]
 
 _PLAIN = torch.Tensor
 
@@ -29,3 +29,18 @@ def interop() -> Any:
     from ..integrations.dtensor import bridge  # the core's one door upwards (tests/test_layering.py)
 
     return bridge
+
+
+_LOADED: list[bool] = []
+
+
+def load_if_imported() -> None:
+    """Load the DTensor integration once DTensor is imported (``spmd.typecheck()`` calls this on entry).
+
+    Its registrations (``DTensor.from_local`` of a typed tensor, checked like
+    ``spmd.to_dtensor``) must be in place before the first op of the block.
+    """
+    if not _LOADED and "torch.distributed.tensor" in sys.modules:
+        interop()
+        _LOADED.append(True)
+

@@ -195,6 +195,20 @@ def compatible(have: SpmdType | None, want: SpmdType) -> bool:
     return have is not None and have.is_varying and want.is_varying and (have is V or want is V)
 
 
+def shard_in_range(t: SpmdType, ndim: int, what: str) -> SpmdType:
+    """``t`` with an S(d) counted from the front (``S(-1)`` of a 3-d tensor is ``S(2)``), or a ValueError.
+
+    A tensor's types are kept normalized, so ``S(-1)`` and ``S(2)`` are one type
+    on it; ``what`` names the argument in the error, e.g. ``'spmd.convert: dst'``.
+    """
+    d = getattr(t, "dim", None)
+    if d is None:
+        return t
+    if not -ndim <= d < ndim:
+        raise ValueError(f"{what}={t} names tensor dim {d}, but the tensor has {ndim} dims")
+    return t if d >= 0 else S(d + ndim)
+
+
 def check_type_value(value: object, what: str) -> SpmdType:
     """Return ``value`` if it is an SPMD type, else raise a TypeError naming ``what``."""
     if isinstance(value, SpmdType):

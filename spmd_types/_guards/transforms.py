@@ -21,7 +21,8 @@ error, or trace a typed op without its check. Dynamo reads the metadata of
 every tensor it is handed (its inputs, a module's parameters) before it
 traces a line; the tensor layer asks :func:`compiling` on metadata calls only
 and raises :func:`compile_error`, an ``SpmdTypeError`` that dynamo lets
-through unwrapped. Erased code (plain tensors, checking off) compiles as
+through unwrapped with ``fullgraph=True``; without it, dynamo runs that call
+eagerly (checked). Erased code (plain tensors, checking off) compiles as
 before.
 """
 
@@ -33,7 +34,10 @@ import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 
-__all__ = ["vmap_setup_caller", "is_transform_tensor", "transform_error", "compiling", "compile_error"]
+__all__ = [
+    "vmap_setup_caller", "is_transform_tensor", "transform_error", "compiling", "compile_error",
+    "forget_refused_frames",
+]
 
 compiling = torch.compiler.is_compiling
 
@@ -66,33 +70,24 @@ def transform_error(shown: str) -> SpmdTypeError:
 
 
 _COMPILE_ERROR: type | None = None
+# Frames refused for typed tensors, whose eager fallback dynamo remembers on the code object (see compile_error).
+_REFUSED_CODES: set = set()
 
 
 def compile_error(shown: str) -> SpmdTypeError:
-    """The one error for typed tensors reaching torch.compile (dynamo re-raises its UserError unwrapped)."""
+    """The one error for typed tensors reaching torch.compile (dynamo re-raises its UserError unwrapped).
+
+    With ``fullgraph=True`` it reaches the user. Without, dynamo runs the refused
+    frame eagerly, so typed code runs checked; the error asks dynamo to run every
+    frame that call makes eagerly too (its own and the package's: no piece of a
+    typed program is compiled apart) and to try the frame again next call.
+    Dynamo keeps that request on the code object, so :func:`forget_refused_frames`
+    hands the code back when checking ends: the erased program then compiles whole.
+    """
     global _COMPILE_ERROR
     if _COMPILE_ERROR is None:
-        from torch._dynamo.exc import UserError, UserErrorType
-
-        class SpmdCompileError(SpmdTypeError, UserError):
-            """Typed tensors under torch.compile: an SpmdTypeError that dynamo passes through."""
-
-            def __init__(self, rejection: Rejection, source: str | None) -> None:
-                SpmdTypeError.__init__(self, rejection, source)
-                # the fields dynamo reads on a UserError it passes through
-                self._torch_dynamo_tracer_output = None
-                self.frame_exec_strategy = None
-                self.real_stack = torch._guards.TracingContext.extract_stack()
-                self.skip_frame, self.logged = False, False
-                self.error_type = UserErrorType.INVALID_INPUT
-                self.msg = self.message = self.plain
-
-            def __reduce__(self):
-                return (SpmdTypeError, (Rejection(self.rule, self.seen, self.fixes, self.notes), self.source))
-
-        SpmdCompileError.__module__ = "spmd_types"
-        SpmdCompileError.__qualname__ = "SpmdCompileError"
-        _COMPILE_ERROR = SpmdCompileError
+        _COMPILE_ERROR = _make_compile_error_class()
+    _remember_refused_frame()
     return _COMPILE_ERROR(
         Rejection(
             "torch.compile cannot trace typed tensors: the checker runs in Python beside each op and is not "
@@ -103,6 +98,52 @@ def compile_error(shown: str) -> SpmdTypeError:
         ),
         user_source_line(),
     )
+
+
+def _make_compile_error_class() -> type:
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    eager_this_call = _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.SKIP)
+
+    class SpmdCompileError(SpmdTypeError, UserError):
+        """Typed tensors under torch.compile: an SpmdTypeError that dynamo passes through."""
+
+        def __init__(self, rejection: Rejection, source: str | None) -> None:
+            SpmdTypeError.__init__(self, rejection, source)
+            # the fields dynamo reads on a UserError it passes through
+            self._torch_dynamo_tracer_output = None
+            self.frame_exec_strategy = eager_this_call
+            self.real_stack = torch._guards.TracingContext.extract_stack()
+            self.skip_frame, self.logged = False, False
+            self.error_type = UserErrorType.INVALID_INPUT
+            self.msg = self.message = self.plain
+
+        def __reduce__(self):
+            return (SpmdTypeError, (Rejection(self.rule, self.seen, self.fixes, self.notes), self.source))
+
+    SpmdCompileError.__module__ = "spmd_types"
+    SpmdCompileError.__qualname__ = "SpmdCompileError"
+    return SpmdCompileError
+
+
+def _remember_refused_frame() -> None:
+    from torch._dynamo.symbolic_convert import tls
+
+    code = getattr(getattr(tls, "current_tx", None), "f_code", None)  # the frame dynamo is converting
+    if code is not None:
+        _REFUSED_CODES.add(code)
+
+
+def forget_refused_frames() -> None:
+    """Let dynamo compile the frames it ran eagerly for typed tensors again (called when checking ends)."""
+    if not _REFUSED_CODES:
+        return
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+    fresh = _FrameExecStrategy(_FrameAction.DEFAULT, _FrameAction.DEFAULT)
+    while _REFUSED_CODES:
+        set_code_exec_strategy(_REFUSED_CODES.pop(), fresh)
 
 
 def refuse_compile() -> None:

@@ -19,6 +19,7 @@ from .placements import (
     type_to_placement,
 )
 from .propagation import ReducedDTensor
+from .torch_functions import from_local_rule  # noqa: F401  (registers DTensor.from_local on typed tensors)
 
 __all__ = [
     "Reduced", "is_reduced", "placement_to_type", "type_to_placement", "placement_to_cotangent",

@@ -23,10 +23,11 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..._checker.tensor import _run, make_typed
 from ..._comm.impl import AxisComm, keep_on_first
+from ..._core.async_tensor import settled
 from ..._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from ..._core.mesh import current_mesh, set_current_mesh
 from ..._core.state import STATE
-from ..._core.types import SpmdType, TypeMap, V, compatible
+from ..._core.types import SpmdType, TypeMap, V, compatible, shard_in_range
 from ..._guards.function_guard import ALLOWED
 from ..._local.transitions import route_call
 from .placements import Reduced, placement_to_cotangent, placement_to_type, strip_reduced, type_to_placement
@@ -71,7 +72,7 @@ class _FromDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dt: DTensor) -> torch.Tensor:
         ctx.spec = dt._spec
-        local = dt._local_tensor
+        local = settled(dt._local_tensor)  # an async redistribute's result (RowwiseParallel's output), waited on
         return local.view_as(local)
 
     @staticmethod
@@ -186,12 +187,13 @@ def to_dtensor(
 
         out = spmd.to_dtensor(y_local, mesh, [Shard(0), spmd.Reduced()])
     """
-    placements = tuple(placements)
     names = mesh_names(mesh, "spmd.to_dtensor")
+    placements = tuple(placements)
     if len(placements) != len(names):
         raise ValueError(
             f"spmd.to_dtensor: {len(placements)} placements for a mesh of {len(names)} dims {names}"
         )
+    placements = normalized_placements("spmd.to_dtensor", placements, x)
     wanted = {n: placement_to_type(p) for n, p in zip(names, placements)}
     have = getattr(x, "_spmd_types", None) if STATE.checking else None
     if have is not None:
@@ -202,6 +204,23 @@ def to_dtensor(
     return _ToDTensor.forward(_Ctx(), plain, mesh, placements, shape, stride)
 
 
+def normalized_placements(what: str, placements: tuple, x: torch.Tensor) -> tuple:
+    """``placements`` with each ``Shard(d)`` counted from the front of ``x``'s dims (``Shard(-1)`` of 3 dims is
+    ``Shard(2)``, as ``DTensor.from_local`` does), or a ValueError naming the placement."""
+    if not any(type(p) is Shard for p in placements):
+        return placements
+    ndim = _plain_local(x).dim()
+    out = []
+    for p in placements:
+        if type(p) is Shard:
+            d = p.dim
+            if not -ndim <= d < ndim:
+                raise ValueError(f"{what}: the placement {p!r} names tensor dim {d}, but the tensor has {ndim} dims")
+            p = Shard(d % ndim) if d < 0 else p
+        out.append(p)
+    return tuple(out)
+
+
 def _check_types(what: str, have: TypeMap, wanted: Mapping[str, SpmdType], placements: tuple,
                  names: tuple) -> None:
     for name, p in zip(names, placements):
@@ -209,9 +228,10 @@ def _check_types(what: str, have: TypeMap, wanted: Mapping[str, SpmdType], place
         if h is not None and compatible(h, w):  # a V type may take any Shard(d)
             continue
         fix = route_call("x", name, h, w) if h is not None else None
+        seen = f"is {h}" if h is not None else "has no type"
         raise SpmdTypeError(
             Rejection(
-                f"{what}: the tensor is {h} on axis '{name}', and the placement {p!r} means {w}.",
+                f"{what}: the tensor {seen} on axis '{name}', and the placement {p!r} means {w}.",
                 [("tensor", have.format(names)), ("placements", ", ".join(repr(q) for q in placements))],
                 [fix] if fix else [],
             ),
@@ -233,6 +253,7 @@ def assert_dtensor(dt: DTensor, types: Mapping[Any, SpmdType], partition_spec: A
     names = tuple(have)
     for axis, want in types.items():
         name = _axis_name(dt.device_mesh, axis, "assert_type")
+        want = shard_in_range(want, dt.dim(), f"assert_type: axis '{name}'")
         h = have[name]
         if compatible(h, want):
             continue
