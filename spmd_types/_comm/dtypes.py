@@ -75,19 +75,19 @@ def backward_reduces(op: str, src: SpmdType, dst: SpmdType) -> bool:
 def plan(
     opname: str, comm: Any, op: str, src: SpmdType, dst: SpmdType, x: torch.Tensor,
     op_dtype: Any, out_dtype: Any, backward_options: Any, *, reduces_back: bool | None = None,
-    keeps_input: bool | None = None,
+    keeps_input: bool | None = None, nested: bool = False,
 ) -> DtypePlan | None:
     """Check a call's dtype options and resolve them; None when the call casts nothing and passes no options.
 
-    ``reduces_back`` / ``keeps_input`` override the table for ops outside it (``all_reduce(op="max")``).
-    Raises before any communication.
+    ``reduces_back`` / ``keeps_input`` override the table for ops outside it (``all_reduce(op="max")``);
+    ``nested`` marks the call a backward runs (its options sit one level down). Raises before any communication.
     """
     if op_dtype is None and out_dtype is None and backward_options is None:
         if x.dtype not in _REDUCED or not (x.requires_grad and torch.is_grad_enabled()):
             return None  # the hot path: nothing to cast, nothing to check
         if not (backward_reduces(op, src, dst) if reduces_back is None else reduces_back):
             return None
-        raise ValueError(_missing_backward_op_dtype(opname, comm, op, src, dst, x.dtype, None, None))
+        raise ValueError(_missing_backward_op_dtype(opname, comm, op, src, dst, x.dtype, None, None, nested))
     op_dtype = _dtype(opname, "op_dtype", op_dtype)
     out_dtype = _dtype(opname, "out_dtype", out_dtype)
     backward = _backward_options(opname, "backward_options", backward_options)
@@ -96,7 +96,8 @@ def plan(
         _check_differentiable(opname, x.dtype, op_dtype, out_dtype)
         if "op_dtype" not in backward and (backward_reduces(op, src, dst) if reduces_back is None else reduces_back):
             if any(d is not None and d in _REDUCED for d in (op_dtype, out_dtype, x.dtype)):
-                raise ValueError(_missing_backward_op_dtype(opname, comm, op, src, dst, x.dtype, op_dtype, out_dtype))
+                raise ValueError(
+                    _missing_backward_op_dtype(opname, comm, op, src, dst, x.dtype, op_dtype, out_dtype, nested))
     keeps = (_key(op, src, dst) in _KEEPS_INPUT) if keeps_input is None else keeps_input
     op_d, out_d = _resolve(op_dtype, out_dtype, keeps, x.dtype)
     return DtypePlan(None if op_d == x.dtype else op_d, None if out_d == op_d else out_d, backward, x.dtype)
@@ -119,7 +120,7 @@ def backward_plan(fwd: DtypePlan, comm: Any, op: str, src: SpmdType, dst: SpmdTy
     """
     bw = fwd.backward
     return plan(f"spmd.{op}", comm, op, src, dst, g, bw.get("op_dtype"), bw.get("out_dtype", fwd.src_dtype),
-                bw.get("backward_options", {}))
+                bw.get("backward_options", {}), nested=True)
 
 
 def _resolve(op_dtype: torch.dtype | None, out_dtype: torch.dtype | None, keeps_input: bool,
@@ -207,18 +208,24 @@ def _check_differentiable(opname: str, in_dtype: torch.dtype, op_dtype: torch.dt
 
 
 def _missing_backward_op_dtype(opname: str, comm: Any, op: str, src: SpmdType, dst: SpmdType, in_dtype: torch.dtype,
-                               op_dtype: torch.dtype | None, out_dtype: torch.dtype | None) -> str:
+                               op_dtype: torch.dtype | None, out_dtype: torch.dtype | None, nested: bool) -> str:
     seen = [f"{w}={d}" for w, d in (("op_dtype", op_dtype), ("out_dtype", out_dtype)) if d is not None and d in _REDUCED]
     if in_dtype in _REDUCED:
         seen.append(f"x is {in_dtype}")
     back = _backward_name(op, src, dst)
     narrow = next(d for d in (op_dtype, out_dtype, in_dtype) if d is not None and d in _REDUCED)
-    call_text = f"{opname}(x, {comm.label}, src={src.code()}, dst={dst.code()})"
+    if nested:  # the backward's own call, in a double backward: its options are the forward's, one level down
+        call_text = f"the backward's {opname}(g, {comm.label}, src={src.code()}, dst={dst.code()})"
+        fix = "backward_options={{..., 'backward_options': {{'op_dtype': {}}}}}"
+        seen = [s.replace("x is", "the gradient is") for s in seen]
+    else:
+        call_text = f"{opname}(x, {comm.label}, src={src.code()}, dst={dst.code()})"
+        fix = "backward_options={{'op_dtype': {}}}"
     return (
         f"{call_text}: a call in reduced precision whose backward sums the gradient over ranks must say the dtype "
         f"of that sum with backward_options={{'op_dtype': ...}}. Seen: {', '.join(seen)}, and the backward is "
-        f"{back}. Fix: backward_options={{'op_dtype': torch.float32}} (FSDP's norm: bf16 all-gather, fp32 "
-        f"reduce-scatter), or backward_options={{'op_dtype': {narrow}}} to sum in {narrow} on purpose."
+        f"{back}. Fix: {fix.format('torch.float32')} (FSDP's norm: bf16 all-gather, fp32 reduce-scatter), or "
+        f"{fix.format(narrow)} to sum in {narrow} on purpose."
     )
 
 
