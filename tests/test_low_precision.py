@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _low_precision_gloo import CommDtypes
 from conftest import fake_mesh
 from test_collectives import CASES, EXPECTED_COMMS, _all_to_all_spec, _types
 from torch.distributed._local_tensor import LocalTensorMode, maybe_disable_local_tensor_mode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd_types as spmd
 from spmd_types._core.types import base_type
@@ -57,24 +57,6 @@ def grid_value(types_on_axis, shape: tuple[int, ...], seed: int, fine: bool = Tr
                 v = v + sign * torch.randint(1, 8, shape, generator=g) * 2.0**-17
             by_rank[r] = v.float()
     return per_rank(lambda r: by_rank[r].clone())
-
-
-class CommDtypes(TorchDispatchMode):
-    """Records the dtype of the tensor each functional collective runs on (enter inside LocalTensorMode)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if func.namespace == "_c10d_functional" and name != "wait_tensor":
-            self.seen.append((name, args[0].dtype))
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def dtypes(self) -> set[torch.dtype]:
-        return {d for _, d in self.seen}
 
 
 @pytest.fixture(scope="module")
