@@ -591,3 +591,13 @@ def test_choice_redistribute_to_the_same_type_casts(mesh):
 def test_choice_integer_op_dtype_on_a_differentiable_value_is_an_error(on_mesh):
     """The peer returns an integer tensor and the gradient silently stops; we refuse (see the pinned message)."""
     _raises(TypeError, spmd.all_to_all, _x(), "tp", src=S(0), dst=S(1), op_dtype=torch.int8)
+
+
+def test_the_docs_page_shows_the_message_as_it_is():
+    """docs/low_precision.md quotes the missing-backward-op_dtype error; it must be the real text."""
+    from pathlib import Path
+
+    with spmd.set_current_mesh(fake_mesh((N,), ("dp",))):
+        err = _raises(ValueError, spmd.all_gather, _x(), "dp", src=S(0), dst=R, op_dtype=BF16)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "low_precision.md").read_text()
+    assert str(err) in page
