@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from .._checker.tensor import _DisableTF
 from .._core.types import P, R, SpmdType, V, base_type
 from .._local.transitions import TRANSITIONS, backward_of
 
@@ -82,25 +83,33 @@ def plan(
     ``reduces_back`` / ``keeps_input`` override the table for ops outside it (``all_reduce(op="max")``);
     ``nested`` marks the call a backward runs (its options sit one level down). Raises before any communication.
     """
+    in_dtype, requires_grad = _facts(x)
     if op_dtype is None and out_dtype is None and backward_options is None:
-        if x.dtype not in _REDUCED or not (x.requires_grad and torch.is_grad_enabled()):
+        if in_dtype not in _REDUCED or not (requires_grad and torch.is_grad_enabled()):
             return None  # the hot path: nothing to cast, nothing to check
         if not (backward_reduces(op, src, dst) if reduces_back is None else reduces_back):
             return None
-        raise ValueError(_missing_backward_op_dtype(opname, comm, op, src, dst, x.dtype, None, None, nested))
+        raise ValueError(_missing_backward_op_dtype(opname, comm, op, src, dst, in_dtype, None, None, nested))
     op_dtype = _dtype(opname, "op_dtype", op_dtype)
     out_dtype = _dtype(opname, "out_dtype", out_dtype)
     backward = _backward_options(opname, "backward_options", backward_options)
-    differentiable = x.requires_grad and torch.is_grad_enabled()
-    if differentiable:
-        _check_differentiable(opname, x.dtype, op_dtype, out_dtype)
+    if requires_grad and torch.is_grad_enabled():
+        _check_differentiable(opname, in_dtype, op_dtype, out_dtype)
         if "op_dtype" not in backward and (backward_reduces(op, src, dst) if reduces_back is None else reduces_back):
-            if any(d is not None and d in _REDUCED for d in (op_dtype, out_dtype, x.dtype)):
+            if any(d is not None and d in _REDUCED for d in (op_dtype, out_dtype, in_dtype)):
                 raise ValueError(
-                    _missing_backward_op_dtype(opname, comm, op, src, dst, x.dtype, op_dtype, out_dtype, nested))
+                    _missing_backward_op_dtype(opname, comm, op, src, dst, in_dtype, op_dtype, out_dtype, nested))
     keeps = (_key(op, src, dst) in _KEEPS_INPUT) if keeps_input is None else keeps_input
-    op_d, out_d = _resolve(op_dtype, out_dtype, keeps, x.dtype)
-    return DtypePlan(None if op_d == x.dtype else op_d, None if out_d == op_d else out_d, backward, x.dtype)
+    op_d, out_d = _resolve(op_dtype, out_dtype, keeps, in_dtype)
+    return DtypePlan(None if op_d == in_dtype else op_d, None if out_d == op_d else out_d, backward, in_dtype)
+
+
+def _facts(x: torch.Tensor) -> tuple[torch.dtype, bool]:
+    """``x``'s dtype and requires_grad, without a typed tensor's ``__torch_function__`` (microseconds a read)."""
+    if type(x) is torch.Tensor:
+        return x.dtype, x.requires_grad
+    with _DisableTF():
+        return x.dtype, x.requires_grad
 
 
 def for_call(begun: Any, op: str, x: torch.Tensor, op_dtype: Any, out_dtype: Any, backward_options: Any,
@@ -167,31 +176,39 @@ def _dtype(opname: str, what: str, value: Any) -> torch.dtype | None:
 
 
 def _backward_options(opname: str, what: str, value: Any) -> Mapping[str, Any]:
-    """``value`` checked to the bottom (nested ``backward_options`` included), so nothing fails mid-backward."""
+    """``value`` checked to the bottom (nested ``backward_options`` included), so nothing fails mid-backward.
+
+    The common case (a dict of floating dtypes) costs a loop over its keys; messages are built only on failure.
+    """
     if value is None:
-        return {}
-    if not isinstance(value, Mapping):
+        return _NO_OPTIONS
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise TypeError(
             f"{opname}: {what}= takes a dict such as {{'op_dtype': torch.float32}}, got {value!r} of type "
             f"{type(value).__name__}"
         )
-    unknown = [k for k in value if k not in KEYS]
-    if unknown:
-        raise ValueError(
-            f"{opname}: {what} takes the keys 'op_dtype', 'out_dtype' and 'backward_options' (the options of the "
-            f"call the backward runs), got {', '.join(repr(k) for k in unknown)}. Dims and sizes follow from the "
-            "forward call."
-        )
-    for key in ("op_dtype", "out_dtype"):
-        d = _dtype(opname, f"{what}['{key}']", value.get(key))
-        if d is not None and not (d.is_floating_point or d.is_complex):
-            raise TypeError(
-                f"{opname}: {what}['{key}']={d} is not a floating-point dtype, and gradients are; "
-                "use torch.float32 or torch.bfloat16"
+    for key, v in value.items():
+        if key == "op_dtype" or key == "out_dtype":
+            if v is not None and not (isinstance(v, torch.dtype) and (v.is_floating_point or v.is_complex)):
+                _bad_backward_dtype(opname, f"{what}['{key}']", v)
+        elif key == "backward_options":
+            _backward_options(opname, f"{what}['backward_options']", v)
+        else:
+            unknown = ", ".join(repr(k) for k in value if k not in KEYS)
+            raise ValueError(
+                f"{opname}: {what} takes the keys 'op_dtype', 'out_dtype' and 'backward_options' (the options of "
+                f"the call the backward runs), got {unknown}. Dims and sizes follow from the forward call."
             )
-    if "backward_options" in value:
-        _backward_options(opname, f"{what}['backward_options']", value["backward_options"])
     return value
+
+
+_NO_OPTIONS: Mapping[str, Any] = {}
+
+
+def _bad_backward_dtype(opname: str, what: str, value: Any) -> None:
+    d = _dtype(opname, what, value)  # raises for a value that is no dtype at all
+    raise TypeError(f"{opname}: {what}={d} is not a floating-point dtype, and gradients are; use torch.float32 or "
+                    "torch.bfloat16")
 
 
 def _check_differentiable(opname: str, in_dtype: torch.dtype, op_dtype: torch.dtype | None,
