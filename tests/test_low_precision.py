@@ -601,3 +601,23 @@ def test_the_docs_page_shows_the_message_as_it_is():
         err = _raises(ValueError, spmd.all_gather, _x(), "dp", src=S(0), dst=R, op_dtype=BF16)
     page = (Path(__file__).resolve().parents[1] / "docs" / "low_precision.md").read_text()
     assert str(err) in page
+
+
+def test_dtensor_fsdp_gather_in_bf16_reduce_scatter_in_fp32():
+    """A DTensor input takes the options too: Shard(0) -> Reduced() in bf16, the gradient reduce-scattered in fp32."""
+    mesh = fake_mesh((N,), ("dp",))
+    with LocalTensorMode(N), spmd.set_current_mesh(mesh):
+        local = grid_value(S(0), (2, 3), seed=25)
+        w = spmd.to_dtensor(local, mesh, [spmd.type_to_placement(S(0))]).detach().requires_grad_()
+        with CommDtypes() as seen:
+            full = spmd.all_gather(w, "dp", src=S(0), dst=R, op_dtype=BF16, backward_options={"op_dtype": F32})
+            assert full.dtype == BF16 and repr(full.placements) == "(Reduced(),)"
+            g = grid_value(P, (2 * N, 3), seed=26).to(BF16)
+            full.backward(spmd.to_dtensor(g, mesh, [spmd.type_to_placement(P)]))
+        assert seen.seen == [("all_gather_into_tensor", BF16), ("reduce_scatter_tensor", F32)]
+        assert w.grad.dtype == F32
+        plain = local.clone().requires_grad_()
+        (want,) = torch.autograd.grad(
+            spmd.all_gather(plain, "dp", src=S(0), dst=R, op_dtype=BF16, backward_options={"op_dtype": F32}), plain, g)
+        for r, v in rank_values(want).items():
+            assert torch.equal(rank_values(w.grad._local_tensor)[r], v)
