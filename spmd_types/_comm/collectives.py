@@ -356,7 +356,8 @@ def all_to_all(
 
     ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
     dim j (``concat_dim=i``, ``split_dim=j``). With plain V give both dims.
-    Backward is the all-to-all back::
+    ``op_dtype`` / ``out_dtype`` cast before / after the exchange;
+    ``backward_options`` are the backward all-to-all's. Backward is the all-to-all back::
 
         [A0, A1]        [A0, B0]
         [B0, B1]   =>   [A1, B1]
