@@ -11,14 +11,16 @@ import inspect
 import pathlib
 import sys
 
-import spmd_types as spmd
-from spmd_types._comm.collectives import EXTREME_ROWS
-from spmd_types._core.types import I, P, R, V
-from spmd_types._local.op_registry import _resolve
-from spmd_types._local.rules_table import FUSED_OPTIMIZERS, ROWS, RuleKind
-from spmd_types._local.transitions import ROUTE, TRANSITIONS, find
-
 HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))  # render this checkout's package, not whichever one is installed
+
+import spmd_types as spmd  # noqa: E402
+from spmd_types._comm.collectives import EXTREME_ROWS  # noqa: E402
+from spmd_types._comm.dtypes import backward_reduces  # noqa: E402
+from spmd_types._core.types import I, P, R, V  # noqa: E402
+from spmd_types._local.op_registry import _resolve  # noqa: E402
+from spmd_types._local.rules_table import FUSED_OPTIMIZERS, ROWS, RuleKind  # noqa: E402
+from spmd_types._local.transitions import ROUTE, TRANSITIONS, find  # noqa: E402
 
 _KIND_TEXT = {
     RuleKind.NONLINEAR: "op(R..)->R, op(I..)->I, op(V..)->V, op(R, V)->V; P rejected; I mixes with nothing",
@@ -294,6 +296,32 @@ def _extreme_section() -> list[str]:
     ]
 
 
+def _low_precision_section() -> list[str]:
+    """The rows whose backward sums the gradient: in reduced precision they need a backward op_dtype."""
+    lines = [
+        "## Low-precision communication",
+        "",
+        "Every op above takes `op_dtype=` (cast the input, communicate and sum in it), `out_dtype=` (cast the",
+        "result) and `backward_options=` (the same options for the op the backward runs); see",
+        "[low-precision communication](low_precision.md). A call in reduced precision (an `op_dtype`, an",
+        "`out_dtype` or an input narrower than 32 bits) whose backward sums the gradient over ranks must say",
+        "`backward_options={\"op_dtype\": ...}`. These rows, read from the table above:",
+        "",
+        "| forward | backward (sums the gradient) |",
+        "|---|---|",
+    ]
+    for t in TRANSITIONS:
+        if backward_reduces(t.op, t.src, t.dst):
+            bop, bsrc, bdst = t.backward
+            lines.append(f"| `{_call(t.op, t.src, t.dst)}` | `{_call(bop, bsrc, bdst)}` |")
+    return lines + [
+        "",
+        "and `all_reduce(src=V, dst=R)` (`reinterpret(V, P)` then the P row), `all_reduce(op=\"max\"|\"min\", dst=R)`",
+        "(the pending gradient is summed), and `redistribute` wherever it routes to one of these.",
+        "",
+    ]
+
+
 def collectives_page() -> str:
     lines = [
         "# The type-changing operations",
@@ -326,6 +354,7 @@ def collectives_page() -> str:
     lines.append("")
     for op in _OPS:
         lines += _op_section(op)
+    lines += _low_precision_section()
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

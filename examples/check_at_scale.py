@@ -74,7 +74,7 @@ class Block(nn.Module):
     def column_in(self, h: torch.Tensor) -> torch.Tensor:
         if self.index == self.c.bug_at:
             return h
-        return spmd.convert(h, "tp", src=I, dst=R)  # Megatron's copy_to_tensor_model_parallel_region
+        return spmd.convert(h, "tp", src=I, dst=R, backward_options={"op_dtype": h.dtype})  # copy_to region, bf16 grad sum
 
     def row_out(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         partial = spmd.reinterpret(F.linear(h, w), "tp", src=V, dst=P)

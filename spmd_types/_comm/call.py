@@ -27,6 +27,7 @@ from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
 from .._guards.strict import untyped_input
 from .._local.transitions import allowed, backward_of, find, route_call
+from .dtypes import backward_plan, casting
 from .impl import AxisComm
 from .kernels import KERNELS
 
@@ -47,15 +48,22 @@ class Call(NamedTuple):
     concat_dim: int | None = None
     sizes: tuple[int, ...] | None = None  # uneven shard sizes on `dim`, one per rank
     reduce: str = "sum"  # "avg" scales the whole op by 1 / axis size
+    dtypes: Any = None  # a dtypes.DtypePlan: casts around the op (low-precision communication); None: none
 
 
-def dual(call: Call) -> Call:
-    """The call the backward of ``call`` runs, as ``_transitions.backward_of`` names it."""
+def dual(call: Call, g: torch.Tensor | None = None) -> Call:
+    """The call the backward of ``call`` runs, as ``_transitions.backward_of`` names it.
+
+    With dtype options, the dual runs with the forward's ``backward_options``, resolved against gradient ``g``.
+    """
     op = backward_of(call.op, call.src, call.dst)[0]
-    return call._replace(
+    back = call._replace(
         op=op, src=backward_type(call.dst), dst=backward_type(call.src),
-        split_dim=call.concat_dim, concat_dim=call.split_dim,
+        split_dim=call.concat_dim, concat_dim=call.split_dim, dtypes=None,
     )
+    if call.dtypes is not None and g is not None:
+        back = back._replace(dtypes=backward_plan(call.dtypes, back.comm, op, back.src, back.dst, g))
+    return back
 
 
 _PRE_REDUCE = ("all_reduce", "reduce_scatter")
@@ -72,7 +80,7 @@ def _make_function(op: str) -> type[torch.autograd.Function]:
             # An output no gradient reaches stays without one (as in plain torch), not a tensor of zeros:
             # an optimizer treats a zero gradient differently from none (weight decay).
             ctx.set_materialize_grads(False)
-            return _below_autograd(kernel, x, call)
+            return _below_autograd(_with_casts(kernel, call), x, call)
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
@@ -80,7 +88,8 @@ def _make_function(op: str) -> type[torch.autograd.Function]:
                 return None, None
             # A gradient made by a hand-written backward from saved typed tensors comes typed by the forward
             # rules, which say nothing about gradients (an R value's gradient is P): run the dual on it plain.
-            return run(dual(ctx.call), unwrap(g)), None
+            g = unwrap(g)
+            return run(dual(ctx.call, g), g), None
 
     _Op.__name__ = _Op.__qualname__ = "".join(part.title() for part in op.split("_"))
     return _Op
@@ -93,11 +102,17 @@ def run(call: Call, x: torch.Tensor) -> torch.Tensor:
     """Run ``call`` on plain ``x``: through its autograd Function if ``x`` needs a gradient."""
     if call.src.is_varying and call.op in _PRE_REDUCE:
         # src=V on a reduction means reinterpret V -> P first (seed 003); both halves keep their own backward.
-        x = run(call._replace(op="reinterpret", dst=P, reduce="sum"), x)
+        x = run(call._replace(op="reinterpret", dst=P, reduce="sum", dtypes=None), x)
         call = call._replace(src=P)
     if x.requires_grad and torch.is_grad_enabled():
         return _FUNCTIONS[call.op].apply(x, call)
-    return _below_autograd(KERNELS[call.op], x, call)
+    return _below_autograd(_with_casts(KERNELS[call.op], call), x, call)
+
+
+def _with_casts(kernel: Any, call: Call) -> Any:
+    """``kernel``, wrapped in the casts of the call's dtype options when it has any (``dtypes.casting``)."""
+    d = call.dtypes
+    return kernel if d is None or (d.op is None and d.out is None) else casting(kernel)
 
 
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd

@@ -38,6 +38,7 @@ from .call import (
     type_result,
     unwrap,
 )
+from .dtypes import DtypePlan, for_call
 from .kernels import keeps_shards
 from .redistribute_spec import redistribute_spec
 from .reinterpret_convert import convert
@@ -77,7 +78,8 @@ def _check_split(
 
 
 def all_reduce(
-    x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum"
+    x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum",
+    op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Sum (``op="avg"``: average) the pending sum over ``axis``; or take the max / min over ranks.
 
@@ -95,20 +97,27 @@ def all_reduce(
     extreme over ranks, R or I (``EXTREME_ROWS``); its gradient goes to the
     ranks holding the extreme, split evenly among ties as ``torch.amax`` does.
 
+    ``op_dtype=`` sums in that dtype (the input is cast first), ``out_dtype=``
+    casts the result; ``backward_options=`` are the backward's own options, and
+    ``dst=R`` in reduced precision needs ``backward_options={"op_dtype": ...}``.
+
     Example::
 
         out = spmd.all_reduce(partial_out, "tp", src=spmd.P, dst=spmd.R)
         row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
+        grad = spmd.all_reduce(g, "dp", src=spmd.P, dst=spmd.I, op_dtype=torch.float32)  # sum bf16 grads in fp32
     """
     if is_dtensor(x):
         src = (V if op in EXTREME_OPS else P) if src is None else src
-        return interop().typed_op(all_reduce, x, axis, src=src, dst=dst, op=op)
+        return interop().typed_op(all_reduce, x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype,
+                                  out_dtype=out_dtype, backward_options=backward_options)
     if op in EXTREME_OPS:
-        return _all_reduce_extreme(x, axis, V if src is None else src, dst, op)
+        return _all_reduce_extreme(x, axis, V if src is None else src, dst, op, (op_dtype, out_dtype, backward_options))
     if op not in ("sum", "avg"):
         raise ValueError(f"spmd.all_reduce: op must be 'sum', 'avg', 'max' or 'min', got {op!r}")
     begun = begin("all_reduce", x, axis, P if src is None else src, dst, op)
-    return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op), x)
+    dtypes = for_call(begun, "all_reduce", x, op_dtype, out_dtype, backward_options)
+    return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op, dtypes=dtypes), x)
 
 
 class ExtremeRow(NamedTuple):
@@ -129,7 +138,7 @@ EXTREME_ROWS: tuple[ExtremeRow, ...] = (
 )
 
 
-def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str) -> torch.Tensor:
+def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str, options: tuple) -> torch.Tensor:
     opname = "spmd.all_reduce"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
@@ -145,13 +154,39 @@ def _all_reduce_extreme(x: torch.Tensor, axis: Any, src: Any, dst: Any, op: str)
     begun = Begun(opname, src, dst, comm, types)
     if STATE.global_mode and types is not None:
         _check_extreme_global(begun, x, op)  # before any communication
+    call = Call("all_reduce", src, dst, comm, reduce=op, dtypes=_extreme_dtypes(begun, x, op, options))
     plain = unwrap(x)
-    call = Call("all_reduce", src, dst, comm, reduce=op)
     if plain.requires_grad and torch.is_grad_enabled():
         out = _AllReduceExtreme.apply(plain, call)
     else:
-        out = impl.all_reduce(plain, comm, op)
+        out = _cast(_extreme_forward(plain, call)[1], call.dtypes and call.dtypes.out)
     return type_result(begun, x, out)
+
+
+def _extreme_dtypes(begun: Begun, x: torch.Tensor, op: str, options: tuple) -> DtypePlan | None:
+    """The dtype plan of ``all_reduce(op="max"|"min")``: its backward sums the gradient when ``dst=R``.
+
+    The extreme is taken at the input's precision unless ``op_dtype`` says
+    otherwise (a narrower one would make ties the input does not have).
+    """
+    plan = for_call(begun, "all_reduce", x, *options, reduces_back=begun.dst is R, keeps_input=True)
+    if plan is not None and "backward_options" in plan.backward:
+        raise ValueError(
+            f"{begun.opname}(op={op!r}): backward_options cannot hold 'backward_options': its backward is not "
+            "differentiable (a double backward through it is an error), so there is no call for them."
+        )
+    return plan
+
+
+def _extreme_forward(x: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` in the op's dtype, the extreme over ranks in it)."""
+    if call.dtypes is not None and call.dtypes.op is not None:
+        x = x.to(call.dtypes.op)
+    return x, impl.all_reduce(x, call.comm, call.reduce)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 def _reject_extreme(opname: str, comm: Any, src: SpmdType, dst: SpmdType, op: str) -> None:
@@ -195,23 +230,27 @@ class _AllReduceExtreme(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
-        out = impl.all_reduce(x, call.comm, call.reduce)
+        x, out = _extreme_forward(x, call)
         ctx.call = call
         ctx.save_for_backward(x, out)
-        return out
+        return _cast(out, call.dtypes and call.dtypes.out)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         x, out = ctx.saved_tensors
         call = ctx.call
+        plan, out_dtype = call.dtypes, None
+        if plan is not None:  # the backward's options: sum in their op_dtype, hand back in x's dtype
+            g = _cast(g, plan.backward.get("op_dtype"))
+            out_dtype = plan.backward.get("out_dtype", plan.src_dtype)
         hit = (x == out).to(g.dtype)
         if call.dst is R:  # the gradient of R is a pending sum: finish it together with the tie count
             both = impl.all_reduce(torch.stack([g, hit]), call.comm, "sum")
             g, count = both[0], both[1]
         else:  # I: the gradient is already the sum
             count = impl.all_reduce(hit, call.comm, "sum")
-        return hit * g / count, None
+        return _cast(hit * g / count, out_dtype), None
 
 
 # ---------------------------------------------------------------------------
@@ -220,7 +259,8 @@ class _AllReduceExtreme(torch.autograd.Function):
 
 def all_gather(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = R, gather_dim: int | None = None,
-    sizes: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+    backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Gather every rank's ``x``: stacked on a new dim 0 (``src=V``) or concatenated on d (``src=S(d)``).
 
@@ -232,12 +272,18 @@ def all_gather(
         [B]  =>  [A, B, C]
         [C]
 
+    ``op_dtype=`` gathers in that dtype; ``backward_options`` are the backward's
+    (FSDP: gather bf16, reduce-scatter the gradient in fp32).
+
     Example::
 
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R)
+        full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R, op_dtype=torch.bfloat16,
+                                 backward_options={"op_dtype": torch.float32})
     """
     if is_dtensor(x):
-        return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes)
+        return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes,
+                                  op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("all_gather", x, axis, src, dst)
     comm = begun.comm
     dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
@@ -246,7 +292,8 @@ def all_gather(
         raise ValueError(f"{begun.opname}: sizes= needs a concat dim (src=S(d) or gather_dim=); V inputs stack")
     if sizes is not None:
         check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
-    return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes), x)
+    dtypes = for_call(begun, "all_gather", x, op_dtype, out_dtype, backward_options)
+    return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes, dtypes=dtypes), x)
 
 
 # ---------------------------------------------------------------------------
@@ -255,7 +302,8 @@ def all_gather(
 
 def reduce_scatter(
     x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = V, scatter_dim: int | None = None,
-    op: str = "sum", sizes: Sequence[int] | None = None,
+    op: str = "sum", sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Sum (or average) the pending sum and keep this rank's part of it.
 
@@ -268,12 +316,16 @@ def reduce_scatter(
         +[B0, B1, B2]  =>   [A1 + B1 + C1]
         +[C0, C1, C2]       [A2 + B2 + C2]
 
+    ``op_dtype=`` sums in that dtype, ``out_dtype=`` casts the result;
+    ``backward_options`` are the backward all-gather's.
+
     Example::
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
     if is_dtensor(x):
-        return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes)
+        return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes,
+                                  op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("reduce_scatter", x, axis, src, dst, op)
     comm, opname = begun.comm, begun.opname
     dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
@@ -288,7 +340,9 @@ def reduce_scatter(
             )
     else:
         _check_split(opname, x, dim, comm.size, sizes, comm.label, f"dst={begun.dst}")
-    return finish(begun, Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op), x)
+    dtypes = for_call(begun, "reduce_scatter", x, op_dtype, out_dtype, backward_options)
+    call = Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op, dtypes=dtypes)
+    return finish(begun, call, x)
 
 
 # ---------------------------------------------------------------------------
@@ -297,13 +351,15 @@ def reduce_scatter(
 
 def all_to_all(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = V, split_dim: int | None = None,
-    concat_dim: int | None = None,
+    concat_dim: int | None = None, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+    backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Split ``x`` on ``split_dim`` into one piece per rank, send piece j to rank j, concatenate on ``concat_dim``.
 
     ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
     dim j (``concat_dim=i``, ``split_dim=j``). With plain V give both dims.
-    Backward is the all-to-all back::
+    ``op_dtype`` / ``out_dtype`` cast before / after the exchange;
+    ``backward_options`` are the backward all-to-all's. Backward is the all-to-all back::
 
         [A0, A1]        [A0, B0]
         [B0, B1]   =>   [A1, B1]
@@ -313,7 +369,8 @@ def all_to_all(
         heads = spmd.all_to_all(seq_shard, "cp", src=spmd.S(0), dst=spmd.S(1))
     """
     if is_dtensor(x):
-        return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim)
+        return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim,
+                                  op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("all_to_all", x, axis, src, dst)
     comm, opname, ndim = begun.comm, begun.opname, x.dim()
     concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
@@ -325,7 +382,8 @@ def all_to_all(
         )
     if not keeps_shards(begun.src, begun.dst):
         _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
-    call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat)
+    dtypes = for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options)
+    call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat, dtypes=dtypes)
     return finish(begun, call, x)
 
 
@@ -336,6 +394,7 @@ def all_to_all(
 def redistribute(
     x: torch.Tensor, axis: Any, dst_spec: Any = None, *, src: SpmdType | None = None, dst: SpmdType | None = None,
     sizes: Sequence[int] | None = None, src_partial: Sequence[str] = (), dst_partial: Sequence[str] = (),
+    op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Change ``x``'s type keeping its meaning: on one axis, or from one partition spec to another.
 
@@ -343,7 +402,9 @@ def redistribute(
     ``_transitions.ROUTE`` names for the pair: a convert (R/I -> V, P; V -> P),
     an all-gather (V -> R, I), an all-reduce (P -> R, I), a reduce-scatter
     (P -> V) or an all-to-all (S(i) -> S(j)). Its backward is that op's
-    backward. ``src == dst`` returns ``x`` unchanged.
+    backward. ``src == dst`` returns ``x`` unchanged (cast, if ``op_dtype`` or
+    ``out_dtype`` says so). ``op_dtype``, ``out_dtype`` and ``backward_options``
+    go to the routed op (torchtitan passes ``backward_options={"op_dtype": x.dtype}``).
 
     With partition specs, ``redistribute(x, src_spec, dst_spec)`` plans the
     collectives (``spmd.plan_redistribute`` shows the plan), fusing several
@@ -354,9 +415,11 @@ def redistribute(
         y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
         z = spmd.redistribute(x, spmd.PartitionSpec(("dp", "tp")), spmd.PartitionSpec(("tp", "dp")))
     """
+    dtype_options = {"op_dtype": op_dtype, "out_dtype": out_dtype, "backward_options": backward_options}
     if is_dtensor(x):
-        return interop().typed_op(redistribute, x, axis, src=src, dst=dst, sizes=sizes)
+        return interop().typed_op(redistribute, x, axis, src=src, dst=dst, sizes=sizes, **dtype_options)
     if dst_spec is not None:
+        _no_dtype_options_with_specs(dtype_options)
         return redistribute_spec(x, axis, dst_spec, src_partial=src_partial, dst_partial=dst_partial)
     if src is None or dst is None:
         raise TypeError("spmd.redistribute takes (x, axis, src=, dst=) or (x, src_spec, dst_spec)")
@@ -364,18 +427,43 @@ def redistribute(
     dst = check_type_value(dst, "spmd.redistribute: dst")
     src, dst = shards_in_range("spmd.redistribute", x, src, dst)
     if src is dst:  # nothing to do, but src= must still be the tensor's type
-        check_input("spmd.redistribute", x, resolve_comm("spmd.redistribute", axis), src, dst)
-        return x
+        comm = resolve_comm("spmd.redistribute", axis)
+        types = check_input("spmd.redistribute", x, comm, src, dst)
+        return _same_type(Begun("spmd.redistribute", src, dst, comm, types), x, dtype_options)
     op = ROUTE.get((base_type(src), base_type(dst)))
     if op == "all_to_all" and (src is V or dst is V):
         raise ValueError(
             f"spmd.redistribute: {src} -> {dst} does not say which dims to split and concatenate; use "
             "src=S(i), dst=S(j), or spmd.all_to_all(..., split_dim=, concat_dim=)"
         )
-    kwargs: dict[str, Any] = {"src": src, "dst": dst}
+    kwargs: dict[str, Any] = {"src": src, "dst": dst, **dtype_options}
     if sizes is not None:
         kwargs["sizes"] = sizes
     return _ROUTED[op](x, axis, **kwargs)
+
+
+def _same_type(begun: Begun, x: torch.Tensor, dtype_options: dict) -> torch.Tensor:
+    """``redistribute(src=X, dst=X)``: ``x`` itself, or ``x`` rounded through ``op_dtype`` and cast to ``out_dtype``.
+
+    No op runs, so no backward reduces: the dtypes are checked, and the casts
+    are ordinary (differentiable, typed) ``Tensor.to`` calls.
+    """
+    plan: DtypePlan | None = for_call(begun, "redistribute", x, **dtype_options, reduces_back=False, keeps_input=False)
+    if plan is None:
+        return x
+    if plan.op is not None:
+        x = x.to(plan.op)
+    return x if plan.out is None else x.to(plan.out)
+
+
+def _no_dtype_options_with_specs(dtype_options: dict) -> None:
+    given = [k for k, v in dtype_options.items() if v is not None]
+    if given:
+        raise TypeError(
+            f"spmd.redistribute(x, src_spec, dst_spec) takes no {'=, '.join(given)}=: it plans several collectives, "
+            "and the options belong to one. Redistribute one axis at a time, spmd.redistribute(x, axis, src=, dst=, "
+            f"{given[0]}=...), or cast x before and after."
+        )
 
 
 _ROUTED = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,

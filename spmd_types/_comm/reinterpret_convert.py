@@ -15,6 +15,7 @@ import torch
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.types import SpmdType, V, base_type
 from .call import Call, begin, check_sizes, finish, norm_dim
+from .dtypes import for_call
 
 __all__ = ["reinterpret", "convert"]
 
@@ -23,7 +24,10 @@ __all__ = ["reinterpret", "convert"]
 # reinterpret: same local data, new type (the meaning may change)
 
 
-def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> torch.Tensor:
+def reinterpret(
+    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, op_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+) -> torch.Tensor:
     """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` without touching its local data.
 
     The meaning may change: ``reinterpret(R, P)`` of ``[3.]`` on 4 ranks means
@@ -33,14 +37,19 @@ def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> 
         A   =>  +A          (R -> P: every rank's copy joins the pending sum)
                 +A
 
+    ``op_dtype``, ``out_dtype`` and ``backward_options`` cast as on every typed op
+    (see the low-precision page of the docs).
+
     Example::
 
         out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
     """
     if is_dtensor(x):
-        return interop().typed_op(reinterpret, x, axis, src=src, dst=dst)
+        return interop().typed_op(reinterpret, x, axis, src=src, dst=dst, op_dtype=op_dtype, out_dtype=out_dtype,
+                                  backward_options=backward_options)
     begun = begin("reinterpret", x, axis, src, dst)
-    return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm), x)
+    dtypes = for_call(begun, "reinterpret", x, op_dtype, out_dtype, backward_options)
+    return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm, dtypes=dtypes), x)
 
 
 # ---------------------------------------------------------------------------
@@ -48,7 +57,8 @@ def reinterpret(x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType) -> 
 
 
 def convert(
-    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None
+    x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None,
+    op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Change ``x``'s type on ``axis`` keeping its meaning, with local work only.
 
@@ -58,6 +68,10 @@ def convert(
     * V -> P: each rank puts its value at index ``rank`` of zeros ``[N, ...]``;
       S(d) -> P: each rank puts its shard in its place in zeros of the full shape.
     * R <-> I: nothing changes but the gradient's type.
+
+    ``op_dtype`` / ``out_dtype`` cast before / after; ``backward_options`` are the
+    backward's. ``convert(I, R)`` of a bf16 value needs ``backward_options={"op_dtype": ...}``:
+    its backward all-reduces the gradient.
 
     ::
 
@@ -70,7 +84,8 @@ def convert(
         w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
     """
     if is_dtensor(x):
-        return interop().typed_op(convert, x, axis, src=src, dst=dst, sizes=sizes)
+        return interop().typed_op(convert, x, axis, src=src, dst=dst, sizes=sizes, op_dtype=op_dtype,
+                                  out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("convert", x, axis, src, dst)
     src, dst, comm = begun.src, begun.dst, begun.comm
     sizes = check_sizes(begun.opname, sizes, comm)
@@ -79,7 +94,8 @@ def convert(
         dim = _slice_layout(begun.opname, x, dst, comm.size, sizes, comm.label)
     elif base_type(src) is V:
         dim = None if src is V else norm_dim(begun.opname, f"src={src}", src.dim, x.dim())
-    return finish(begun, Call("convert", src, dst, comm, dim=dim, sizes=sizes), x)
+    dtypes = for_call(begun, "convert", x, op_dtype, out_dtype, backward_options)
+    return finish(begun, Call("convert", src, dst, comm, dim=dim, sizes=sizes, dtypes=dtypes), x)
 
 
 def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: Any, label: str) -> int | None:
