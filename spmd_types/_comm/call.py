@@ -49,6 +49,8 @@ class Call(NamedTuple):
     sizes: tuple[int, ...] | None = None  # uneven shard sizes on `dim`, one per rank
     reduce: str = "sum"  # "avg" scales the whole op by 1 / axis size
     dtypes: Any = None  # a dtypes.DtypePlan: casts around the op (low-precision communication); None: none
+    in_splits: tuple[int, ...] | None = None  # all_to_all with uneven pieces: sent to each rank (dim split_dim)
+    out_splits: tuple[int, ...] | None = None  # ... and received from each rank (dim concat_dim)
 
 
 def dual(call: Call, g: torch.Tensor | None = None) -> Call:
@@ -60,6 +62,7 @@ def dual(call: Call, g: torch.Tensor | None = None) -> Call:
     back = call._replace(
         op=op, src=backward_type(call.dst), dst=backward_type(call.src),
         split_dim=call.concat_dim, concat_dim=call.split_dim, dtypes=None,
+        in_splits=call.out_splits, out_splits=call.in_splits,
     )
     if call.dtypes is not None and g is not None:
         back = back._replace(dtypes=backward_plan(call.dtypes, back.comm, op, back.src, back.dst, g))

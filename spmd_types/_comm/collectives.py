@@ -79,7 +79,8 @@ def _check_split(
 
 def all_reduce(
     x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum",
-    op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+    inplace: bool = False, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+    backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Sum (``op="avg"``: average) the pending sum over ``axis``; or take the max / min over ranks.
 
@@ -100,6 +101,8 @@ def all_reduce(
     ``op_dtype=`` sums in that dtype (the input is cast first), ``out_dtype=``
     casts the result; ``backward_options=`` are the backward's own options, and
     ``dst=R`` in reduced precision needs ``backward_options={"op_dtype": ...}``.
+    ``inplace=True`` writes the result into ``x`` (which then has type ``dst``)
+    and returns it; autograd cannot follow that, so ``x`` must not need a gradient.
 
     Example::
 
@@ -107,6 +110,9 @@ def all_reduce(
         row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
         grad = spmd.all_reduce(g, "dp", src=spmd.P, dst=spmd.I, op_dtype=torch.float32)  # sum bf16 grads in fp32
     """
+    if inplace:
+        return _into(x, all_reduce(x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype, out_dtype=out_dtype,
+                                   backward_options=backward_options), _check_inplace(x))
     if is_dtensor(x):
         src = (V if op in EXTREME_OPS else P) if src is None else src
         return interop().typed_op(all_reduce, x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype,
@@ -118,6 +124,36 @@ def all_reduce(
     begun = begin("all_reduce", x, axis, P if src is None else src, dst, op)
     dtypes = for_call(begun, "all_reduce", x, op_dtype, out_dtype, backward_options)
     return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op, dtypes=dtypes), x)
+
+
+def _sizes_or_split_sizes(opname: str, sizes: Any, split_sizes: Any) -> Any:
+    """``split_sizes=`` is the published API's name for ``sizes=``."""
+    if split_sizes is None:
+        return sizes
+    if sizes is not None:
+        raise TypeError(f"{opname}: give sizes= or split_sizes= (the same thing), not both")
+    return split_sizes
+
+
+def _check_inplace(x: torch.Tensor) -> None:
+    """An in-place collective result cannot reach autograd: refuse it, before any communication."""
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "spmd.all_reduce(inplace=True) writes the result into x, which autograd cannot follow for a tensor "
+            "that requires grad; use the returned value of spmd.all_reduce(x, ...) instead"
+        )
+
+
+def _into(x: torch.Tensor, out: torch.Tensor, _checked: None) -> torch.Tensor:
+    """Copy ``out`` into ``x`` (dispatch off) and give ``x`` the result's type; returns ``x``."""
+    with torch.no_grad(), _DisableTF():
+        x.copy_(out)
+    types = getattr(out, "_spmd_types", None)
+    if types is not None and getattr(x, "_spmd_types", None) is not None:
+        x._spmd_types = types  # type: ignore[attr-defined]
+        if getattr(out, "_spmd_spec", None) is not None:
+            x._spmd_spec = out._spmd_spec  # type: ignore[attr-defined]
+    return x
 
 
 class ExtremeRow(NamedTuple):
@@ -260,7 +296,7 @@ class _AllReduceExtreme(torch.autograd.Function):
 def all_gather(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = R, gather_dim: int | None = None,
     sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
-    backward_options: dict | None = None,
+    backward_options: dict | None = None, split_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Gather every rank's ``x``: stacked on a new dim 0 (``src=V``) or concatenated on d (``src=S(d)``).
 
@@ -281,6 +317,7 @@ def all_gather(
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R, op_dtype=torch.bfloat16,
                                  backward_options={"op_dtype": torch.float32})
     """
+    sizes = _sizes_or_split_sizes("spmd.all_gather", sizes, split_sizes)
     if is_dtensor(x):
         return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes,
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
@@ -303,7 +340,7 @@ def all_gather(
 def reduce_scatter(
     x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = V, scatter_dim: int | None = None,
     op: str = "sum", sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+    out_dtype: torch.dtype | None = None, backward_options: dict | None = None, split_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Sum (or average) the pending sum and keep this rank's part of it.
 
@@ -323,6 +360,7 @@ def reduce_scatter(
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
+    sizes = _sizes_or_split_sizes("spmd.reduce_scatter", sizes, split_sizes)
     if is_dtensor(x):
         return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes,
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
@@ -351,13 +389,17 @@ def reduce_scatter(
 
 def all_to_all(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = V, split_dim: int | None = None,
-    concat_dim: int | None = None, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
-    backward_options: dict | None = None,
+    concat_dim: int | None = None, output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
 ) -> torch.Tensor:
     """Split ``x`` on ``split_dim`` into one piece per rank, send piece j to rank j, concatenate on ``concat_dim``.
 
     ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
-    dim j (``concat_dim=i``, ``split_dim=j``). With plain V give both dims.
+    dim j (``concat_dim=i``, ``split_dim=j``). With plain V the dims default to
+    0. ``input_split_sizes`` / ``output_split_sizes`` (V -> V, dim 0) send
+    ``input_split_sizes[j]`` rows to rank j and receive ``output_split_sizes[j]``
+    from it (MoE token routing); the backward swaps them.
     ``op_dtype`` / ``out_dtype`` cast before / after the exchange;
     ``backward_options`` are the backward all-to-all's. Backward is the all-to-all back::
 
@@ -367,6 +409,8 @@ def all_to_all(
     Example::
 
         heads = spmd.all_to_all(seq_shard, "cp", src=spmd.S(0), dst=spmd.S(1))
+        routed = spmd.all_to_all(tokens, ep_group, src=spmd.V, dst=spmd.V,
+                                 input_split_sizes=send_counts, output_split_sizes=recv_counts)
     """
     if is_dtensor(x):
         return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim,
@@ -375,16 +419,42 @@ def all_to_all(
     comm, opname, ndim = begun.comm, begun.opname, x.dim()
     concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
     split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
-    if split is None or concat is None:
-        raise ValueError(
-            f"{opname}: with src={begun.src}, dst={begun.dst} give split_dim= and concat_dim= "
-            "(or use src=S(i), dst=S(j), which say them)"
-        )
-    if not keeps_shards(begun.src, begun.dst):
+    concat, split = 0 if concat is None else concat, 0 if split is None else split  # V -> V: dim 0 by default
+    splits = _uneven_splits(begun, x, input_split_sizes, output_split_sizes, split, concat)
+    if splits is None and not keeps_shards(begun.src, begun.dst):
         _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
     dtypes = for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options)
-    call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat, dtypes=dtypes)
+    call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat, dtypes=dtypes,
+                in_splits=splits[0] if splits else None, out_splits=splits[1] if splits else None)
     return finish(begun, call, x)
+
+
+def _uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, split: int,
+                   concat: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Checked ``(input_split_sizes, output_split_sizes)``, or None for even pieces."""
+    if inputs is None and outputs is None:
+        return None
+    opname, comm = begun.opname, begun.comm
+    if inputs is None or outputs is None:
+        raise ValueError(f"{opname}: give both input_split_sizes= and output_split_sizes= (one per rank of "
+                         f"{comm.label}), or neither")
+    if begun.src is not V or begun.dst is not V or split != 0 or concat != 0:
+        raise ValueError(f"{opname}: uneven pieces (input_split_sizes=, output_split_sizes=) go with src=spmd.V, "
+                         f"dst=spmd.V on dim 0; got src={begun.src}, dst={begun.dst}")
+    found = []
+    for name, sizes in (("input_split_sizes", inputs), ("output_split_sizes", outputs)):
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise TypeError(f"{opname}: {name}= takes one size per rank, got {sizes!r}")
+        sizes = tuple(sizes)
+        if len(sizes) != comm.size:
+            raise ValueError(f"{opname}: {name}= gives one size per rank of axis {comm.label} ({comm.size} ranks), "
+                             f"got {len(sizes)}")
+        found.append(sizes)
+    total = sum(found[0])
+    if isinstance(total, int) and isinstance(x.shape[0], int) and total != x.shape[0]:
+        raise ValueError(f"{opname}: input_split_sizes={list(found[0])} add up to {total}, but dim 0 has "
+                         f"size {x.shape[0]}")
+    return found[0], found[1]
 
 
 # ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "AxisComm", "group_rank", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+    "AxisComm", "group_rank", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven",
     "take_slice", "keep_on_first", "place_slice", "scaled",
 ]
 
@@ -193,6 +193,11 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
         out.append(total)
         total += s
     return out
+
+
+def all_to_all_uneven(x: torch.Tensor, comm: AxisComm, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
+    """Send rows ``in_splits[j]`` of dim 0 to rank j; receive ``out_splits[j]`` rows from rank j, in rank order."""
+    return _wait(_c10d.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), comm.group_name))
 
 
 def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, concat_dim: int) -> torch.Tensor:

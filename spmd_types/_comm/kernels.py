@@ -64,6 +64,9 @@ def keeps_shards(src: SpmdType, dst: SpmdType) -> bool:
 
 
 def _all_to_all(x: torch.Tensor, call: Any) -> torch.Tensor:
+    if call.in_splits is not None:  # uneven pieces on dim 0 (MoE token routing)
+        out = impl.all_to_all_uneven(x, call.comm, call.in_splits, call.out_splits)
+        return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
     if keeps_shards(call.src, call.dst):  # the identity; its dual is S(d) -> S(d) again
         return x.view_as(x)
     out = impl.all_to_all(x, call.comm, call.split_dim, call.concat_dim)
