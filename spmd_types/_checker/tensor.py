@@ -24,7 +24,7 @@ from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejec
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 from .._local.op_registry import OpEntry, entry_for
-from .._local.rules import infer
+from .._local.rules import backward_possible, infer
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _BACKWARD,
     _PASSTHROUGH,
@@ -34,6 +34,7 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _run,
     _run_swapped,
     _swap_to_base,
+    holds_only_zeros,
 )
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
@@ -337,6 +338,8 @@ def _marker(a: Any) -> Any:
         return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
     if tp is list or tp is tuple:
         return tuple(_marker(x) for x in a)
+    if tp is str:  # a mode argument can decide linearity (scatter_reduce's reduce="sum" vs "amax")
+        return a
     return None
 
 
@@ -427,15 +430,47 @@ def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
         return None
     entry = entry_for(func)
     result = infer(entry, args, kwargs, STATE.strict)
+    dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
+    if entry.row.zero_buffer is not None and (isinstance(result, Rejection) or (
+            result is not None and isinstance(dest, torch.Tensor) and getattr(dest, "_spmd_types", None) is None)):
+        result = _into_zeros(entry, args, kwargs, dest, result)
     if isinstance(result, Rejection):
         found = unsynced_grad(args, kwargs)  # a forgotten gradient sync: name the parameter
         if found is not None:
             raise SpmdTypeError(unsynced_grad_rejection(entry.display, *found), user_source_line())
         raise op_error(result, getattr(func, "__name__", ""), entry.row.params)
-    dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
     if dest is not None and result is not None:
         _check_destination(entry, dest, result)
     return result
+
+
+def _into_zeros(entry: OpEntry, args, kwargs, dest: Any, result: TypeMap | Rejection) -> TypeMap | Rejection:
+    """Writing values into a buffer of zeros: the result takes the values' type (docs/index.md, choice 27).
+
+    Asked only where the ordinary rule refuses, or would write a typed result
+    into a plain buffer: it reads the buffer's values, so its answer is never
+    cached. The buffer must carry no gradient (a typed buffer's gradient would
+    get the values' type), and a plain buffer written in place must not be a
+    view (the tensor it views would stay plain, holding typed values); that
+    buffer is typed before the write, so the op runs on a typed destination.
+    """
+    buf = args[0] if args else kwargs.get(entry.row.zero_buffer)
+    if not isinstance(buf, torch.Tensor):
+        return result
+    with _DisableTF():
+        if (buf.requires_grad and backward_possible()) or (dest is buf and buf._base is not None
+                                                            and getattr(buf, "_spmd_types", None) is None):
+            return result
+    if not holds_only_zeros(buf):
+        return result
+    relaxed = infer(entry, args, kwargs, STATE.strict, zero_buffer=True)
+    if relaxed is None:  # nothing typed but the buffer: the ordinary rule's answer stands
+        return result
+    STATE.gradient_free = True  # the answer depends on the buffer's values, not only on types: not cached
+    if dest is buf and isinstance(relaxed, TypeMap) and getattr(buf, "_spmd_types", None) is None:
+        buf.__class__ = _typed_class_for(buf)
+        buf._spmd_types = relaxed
+    return relaxed
 
 
 def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
