@@ -55,6 +55,11 @@ def _mask(v: torch.Tensor) -> torch.Tensor:
     return torch.arange(16).view(4, 4) % 3 != 1
 
 
+def _set(b: torch.Tensor, index: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    b[index] = v
+    return b
+
+
 ACCUMULATE = {
     "Tensor.scatter_add_": lambda b, v: b.scatter_add_(0, _grid(v), v),
     "Tensor.scatter_add": lambda b, v: b.scatter_add(0, _grid(v), v),
@@ -79,9 +84,10 @@ OVERWRITE = {
     "Tensor.index_put_(accumulate=False)": lambda b, v: b.index_put_((_perm(v),), v),
     "Tensor.masked_scatter_": lambda b, v: b.masked_scatter_(_mask(v), v),
     "Tensor.masked_scatter": lambda b, v: b.masked_scatter(_mask(v), v),
+    "Tensor.__setitem__": lambda b, v: _set(b, _perm(v), v),
 }
 OPS = {**ACCUMULATE, **OVERWRITE}
-IN_PLACE_OPS = [k for k in OPS if k.split("(")[0].endswith("_")]
+IN_PLACE_OPS = [k for k in OPS if k.split("(")[0].endswith("_") or k == "Tensor.__setitem__"]
 OUT_OF_PLACE_OPS = [k for k in OPS if k not in IN_PLACE_OPS]
 
 
