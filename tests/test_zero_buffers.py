@@ -177,13 +177,31 @@ def test_a_buffer_of_zeros_that_carries_a_gradient_keeps_the_ordinary_rule(x, op
 
 
 @pytest.mark.parametrize("op", IN_PLACE_OPS)
-def test_a_view_of_a_plain_buffer_is_not_typed_in_place(x, op):
-    """The tensor it views would stay plain and hold typed values."""
+def test_a_plain_buffer_sharing_its_storage_is_not_typed_in_place(x, op):
+    """A view, the tensor viewed, or an alias typed before would keep its own type and hold the new values."""
     whole = torch.zeros(8, 4)
     with rejects(P_PLUS):
         OPS[op](whole[:4], x.p)
     with rejects(INTO_PLAIN):
         OPS[op](whole[4:], x.v)
+    viewed = torch.zeros(4, 4)
+    flat = viewed.view(16)
+    with rejects(P_PLUS):
+        OPS[op](viewed, x.p)
+    assert spmd.get_type(flat) is None
+    buf = torch.zeros(4, 4)
+    typed_alias = spmd.assert_type(buf, _types(R))
+    with rejects(INTO_PLAIN):
+        OPS[op](buf, x.v)
+    assert spmd.get_type(buf) is None and tp_type(typed_alias) is R
+
+
+@pytest.mark.parametrize("op", IN_PLACE_OPS)
+def test_a_view_taken_and_dropped_before_the_write_does_not_count(x, op):
+    buf = torch.zeros(4, 4)
+    flat = buf.view(16)
+    del flat
+    assert tp_type(OPS[op](buf, x.v)) is V
 
 
 @pytest.mark.parametrize("op", IN_PLACE_OPS)

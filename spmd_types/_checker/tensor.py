@@ -450,16 +450,17 @@ def _into_zeros(entry: OpEntry, args, kwargs, dest: Any, result: TypeMap | Rejec
     Asked only where the ordinary rule refuses, or would write a typed result
     into a plain buffer: it reads the buffer's values, so its answer is never
     cached. The buffer must carry no gradient (a typed buffer's gradient would
-    get the values' type), and a plain buffer written in place must not be a
-    view (the tensor it views would stay plain, holding typed values); that
-    buffer is typed before the write, so the op runs on a typed destination.
+    get the values' type). A plain buffer written in place is typed before the
+    write (the op then runs on a typed destination), so no other tensor may
+    share its storage: a view of it, the tensor it views, or an alias typed by
+    ``assert_type`` would keep its own type (or none) and hold the new values.
     """
     buf = args[0] if args else kwargs.get(entry.row.zero_buffer)
     if not isinstance(buf, torch.Tensor):
         return result
+    plain_dest = dest is buf and getattr(buf, "_spmd_types", None) is None
     with _DisableTF():
-        if (buf.requires_grad and backward_possible()) or (dest is buf and buf._base is not None
-                                                            and getattr(buf, "_spmd_types", None) is None):
+        if (buf.requires_grad and backward_possible()) or (plain_dest and _storage_shared(buf)):
             return result
     if not holds_only_zeros(buf):
         return result
@@ -467,10 +468,20 @@ def _into_zeros(entry: OpEntry, args, kwargs, dest: Any, result: TypeMap | Rejec
     if relaxed is None:  # nothing typed but the buffer: the ordinary rule's answer stands
         return result
     STATE.gradient_free = True  # the answer depends on the buffer's values, not only on types: not cached
-    if dest is buf and isinstance(relaxed, TypeMap) and getattr(buf, "_spmd_types", None) is None:
+    if plain_dest and isinstance(relaxed, TypeMap):
         buf.__class__ = _typed_class_for(buf)
         buf._spmd_types = relaxed
     return relaxed
+
+
+def _storage_shared(t: torch.Tensor) -> bool:
+    """Whether a tensor other than ``t`` holds ``t``'s storage (a view, its base, an alias)."""
+    try:
+        storage = t.untyped_storage()
+        # held by t and by the storage object just made; a third holder is another tensor (or saved for backward)
+        return torch._C._storage_Use_Count(storage._cdata) > 2
+    except (RuntimeError, NotImplementedError, AttributeError):  # a tensor without storage: assume it is shared
+        return True
 
 
 def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:

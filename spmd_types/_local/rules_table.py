@@ -85,8 +85,9 @@ UNARY = (("input",),)
 _INTO_ZEROS = (
     "into a buffer of zeros that carries no gradient (torch.zeros, zeros_like, new_zeros) the result is the "
     "values alone, so where the ordinary rule would refuse, it takes their type (P stays P, V stays V, R stays R, "
-    "I stays I) whatever the buffer's; a plain buffer written in place becomes typed, a typed one keeps its type "
-    "(an in-place op never changes it); a buffer that is not all zeros keeps the ordinary rule"
+    "I stays I) whatever the buffer's; a plain buffer written in place becomes typed (unless another tensor shares "
+    "its storage), a typed one keeps its type (an in-place op never changes it); a buffer that is not all zeros "
+    "keeps the ordinary rule"
 )
 SUM2 = (("input",), ("other",))
 PROD2 = (("input", "other"),)
