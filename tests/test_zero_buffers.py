@@ -238,11 +238,29 @@ def test_the_result_cache_tells_reduce_modes_apart(x):
         x.p.scatter_reduce(0, _grid(x.p), x.p, "amax")
 
 
-def test_the_result_cache_does_not_keep_a_zero_buffers_answer(x):
-    assert tp_type(torch.zeros(4, 4).index_add(0, _rows(x.p), x.p)) is P
+def test_a_call_seen_before_still_checks_its_buffer(x):
+    """The relaxed type is kept per call signature, but every call's buffer is checked again."""
+    for _ in range(2):
+        assert tp_type(torch.zeros(4, 4).index_add(0, _rows(x.p), x.p)) is P
+        assert tp_type(torch.zeros(4, 4).index_add_(0, _rows(x.p), x.p)) is P
     with rejects(P_PLUS):
         torch.ones(4, 4).index_add(0, _rows(x.p), x.p)
-    assert tp_type(torch.zeros(4, 4).index_add(0, _rows(x.p), x.p)) is P
+    with rejects(P_PLUS):
+        torch.zeros(4, 4, requires_grad=True).index_add(0, _rows(x.p), x.p)
+    viewed = torch.zeros(4, 4)
+    flat = viewed.view(16)
+    with rejects(P_PLUS):
+        viewed.index_add_(0, _rows(x.p), x.p)
+    assert spmd.get_type(flat) is None and spmd.get_type(viewed) is None
+    assert tp_type(torch.zeros(4, 4).index_add_(0, _rows(x.p), x.p)) is P
+
+
+def test_an_answer_that_relied_on_values_without_gradient_is_not_kept(x):
+    """I values that need no gradient read as R beside an R index (choice 13); differentiable ones stay I."""
+    idx = x.idx[None].expand(4, 2).reshape(-1)[:4]
+    assert tp_type(torch.zeros(4, 4).index_add_(0, idx, x.i.detach())) is R
+    assert tp_type(torch.zeros(4, 4).index_add_(0, idx, x.i)) is I
+    assert tp_type(torch.zeros(4, 4).index_add_(0, idx, x.i.detach())) is R
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejec
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 from .._local.op_registry import OpEntry, entry_for
-from .._local.rules import backward_possible, infer
+from .._local.rules import infer
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _BACKWARD,
     _PASSTHROUGH,
@@ -34,8 +34,8 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _run,
     _run_swapped,
     _swap_to_base,
-    holds_only_zeros,
 )
+from .zero_buffers import into_zeros, known_into_zeros, remember
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
@@ -148,7 +148,7 @@ def _typed_call(func, args, kwargs):
     out_types = cache.get(key, _MISSING)
     if out_types is _MISSING:
         STATE.gradient_free = False
-        out_types = _infer_or_raise(func, args, kwargs)
+        out_types = _infer_or_raise(func, args, kwargs, key)
         if not STATE.gradient_free:  # a gradient-free acceptance depends on more than types: not cached
             cache[key] = out_types
     if STATE.global_mode and out_types is not None:
@@ -420,7 +420,7 @@ _KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping
                    torch.Tensor.copy_: _copy_checking_type}
 
 
-def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
+def _infer_or_raise(func, args, kwargs, key=None) -> TypeMap | None:
     for a in (*args, *kwargs.values()):  # a transform's wrapped tensor meets a typed one (never cached)
         if _marker(a) is _TRANSFORMED:
             typed = next((x for x in (*args, *kwargs.values()) if type(x) in _TYPED_CLASSES), None)
@@ -429,59 +429,36 @@ def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
         _check_backward_root(args, kwargs)
         return None
     entry = entry_for(func)
-    result = infer(entry, args, kwargs, STATE.strict)
     dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
+    if entry.row.zero_buffer is not None:  # writing into a buffer of zeros: the values' type (choice 27)
+        known = known_into_zeros(entry, args, kwargs, dest, key)
+        if known is not None:
+            _type_plain_destination(dest, known)
+            return known
+    result = infer(entry, args, kwargs, STATE.strict)
+    zeros = cacheable = False
     if entry.row.zero_buffer is not None and (isinstance(result, Rejection) or (
             result is not None and isinstance(dest, torch.Tensor) and getattr(dest, "_spmd_types", None) is None)):
-        result = _into_zeros(entry, args, kwargs, dest, result)
+        result, zeros, cacheable = into_zeros(entry, args, kwargs, dest, result)
     if isinstance(result, Rejection):
         found = unsynced_grad(args, kwargs)  # a forgotten gradient sync: name the parameter
         if found is not None:
             raise SpmdTypeError(unsynced_grad_rejection(entry.display, *found), user_source_line())
         raise op_error(result, getattr(func, "__name__", ""), entry.row.params)
     if dest is not None and result is not None:
+        if zeros and args and dest is args[0]:
+            _type_plain_destination(dest, result)
         _check_destination(entry, dest, result)
+    if cacheable and key is not None:
+        remember(key, result)
     return result
 
 
-def _into_zeros(entry: OpEntry, args, kwargs, dest: Any, result: TypeMap | Rejection) -> TypeMap | Rejection:
-    """Writing values into a buffer of zeros: the result takes the values' type (docs/index.md, choice 27).
-
-    Asked only where the ordinary rule refuses, or would write a typed result
-    into a plain buffer: it reads the buffer's values, so its answer is never
-    cached. The buffer must carry no gradient (a typed buffer's gradient would
-    get the values' type). A plain buffer written in place is typed before the
-    write (the op then runs on a typed destination), so no other tensor may
-    share its storage: a view of it, the tensor it views, or an alias typed by
-    ``assert_type`` would keep its own type (or none) and hold the new values.
-    """
-    buf = args[0] if args else kwargs.get(entry.row.zero_buffer)
-    if not isinstance(buf, torch.Tensor):
-        return result
-    plain_dest = dest is buf and getattr(buf, "_spmd_types", None) is None
-    with _DisableTF():
-        if (buf.requires_grad and backward_possible()) or (plain_dest and _storage_shared(buf)):
-            return result
-    if not holds_only_zeros(buf):
-        return result
-    relaxed = infer(entry, args, kwargs, STATE.strict, zero_buffer=True)
-    if relaxed is None:  # nothing typed but the buffer: the ordinary rule's answer stands
-        return result
-    STATE.gradient_free = True  # the answer depends on the buffer's values, not only on types: not cached
-    if plain_dest and isinstance(relaxed, TypeMap):
-        buf.__class__ = _typed_class_for(buf)
-        buf._spmd_types = relaxed
-    return relaxed
-
-
-def _storage_shared(t: torch.Tensor) -> bool:
-    """Whether a tensor other than ``t`` holds ``t``'s storage (a view, its base, an alias)."""
-    try:
-        storage = t.untyped_storage()
-        # held by t and by the storage object just made; a third holder is another tensor (or saved for backward)
-        return torch._C._storage_Use_Count(storage._cdata) > 2
-    except (RuntimeError, NotImplementedError, AttributeError):  # a tensor without storage: assume it is shared
-        return True
+def _type_plain_destination(dest: Any, types: TypeMap) -> None:
+    """A plain buffer of zeros written in place is typed before the write: the op runs on a typed destination."""
+    if isinstance(dest, torch.Tensor) and getattr(dest, "_spmd_types", None) is None:
+        dest.__class__ = _typed_class_for(dest)
+        dest._spmd_types = types
 
 
 def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:

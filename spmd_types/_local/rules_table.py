@@ -24,7 +24,7 @@ Two fields make linearity depend on an argument's value: ``linear_if_zero``
 that argument is one of the listed values; a missing argument counts as None).
 ``zero_buffer`` names the tensor an op writes values into: when it holds only
 zeros and carries no gradient, it is the identity of the sum, and the result
-takes the type of the values written (see ``_checker/tensor.py``, ``_into_zeros``).
+takes the type of the values written (``_checker/zero_buffers.py``).
 """
 
 from __future__ import annotations
