@@ -384,18 +384,26 @@ def _accumulate_moves(vals: list[Val], good: bool) -> list[Move]:
         if not good:  # a typed result written in place into a plain buffer that is not zeros
             out.append(Move("ones.index_add_", (a.name,), (), (), a.shape))
         for b in newest:
-            if good:
-                out.append(Move("new_zeros.scatter_add", (b.name, a.name), (), _into_typed_zeros(b.types, a.types),
-                                a.shape))
+            # The oracle reads zeros_like(b) as one tensor whatever b is, so a result is a list exactly where the
+            # values are; where the ordinary rule accepts with a list buffer beside values that are not a list
+            # (V zeros + R values: V, sound but not the values' own type) the two would disagree on the form.
+            into = _into_typed_zeros(b.types, a.types)
+            same_form = _lists(into) == _lists(a.types)
+            if good and same_form:
+                out.append(Move("new_zeros.scatter_add", (b.name, a.name), (), into, a.shape))
             if b.shape != a.shape:
                 continue
-            if good:
-                out.append(Move("zeros_like.index_add", (b.name, a.name), (), _into_typed_zeros(b.types, a.types),
-                                a.shape))
+            if good and same_form:
+                out.append(Move("zeros_like.index_add", (b.name, a.name), (), into, a.shape))
             # in place into typed zeros: the ordinary rule, and the buffer keeps its type (S(d) included)
-            if (_binary_types("ilin", b.types, a.types) is not None) == good:
+            if (_binary_types("ilin", b.types, a.types) is not None) == good and (
+                    not good or _lists(b.types) == _lists(a.types)):
                 out.append(Move("zeros_like.scatter_add_", (b.name, a.name), (), b.types if good else (), a.shape))
     return out
+
+
+def _lists(types: tuple[str, ...]) -> tuple[bool, ...]:
+    return tuple(is_list_type(t) for t in types)
 
 
 # Categories a statement is drawn from (type-changing ops twice as often as the others).
