@@ -158,6 +158,10 @@ def test_a_buffer_that_is_not_all_zeros_keeps_the_ordinary_rule(x, op):
     buf[1, 2] = 1.0
     with rejects(P_PLUS):
         OPS[op](buf, x.p)
+    typed = spmd.assert_type(torch.zeros(4, 4), _types(V))
+    typed[1, 2] = 1.0  # a V buffer that holds one non-zero: P values would be added to a per-rank value
+    with rejects(P_PLUS):
+        OPS[op](typed, x.p)
 
 
 @pytest.mark.parametrize("op", IN_PLACE_OPS)
