@@ -73,7 +73,7 @@ def rules_page() -> str:
         "ordinary rule would refuse: `torch.zeros(n, h).scatter_add_(0, idx, x)` is P for a P `x`, V for",
         "a V `x`. A plain buffer written in place becomes typed (unless another tensor shares its storage).",
         "The buffer's values are read on every such call (one reduction, only where the ordinary rule",
-        "refuses; [choice 27](choices.md)). Under `strict=True` that buffer is accepted.",
+        "refuses; [choice 29](choices.md)). Under `strict=True` that buffer is accepted.",
         "",
         "## Rows",
         "",

@@ -293,7 +293,7 @@ backward() from a Replicate (R) value seeds a gradient of 1 on every rank; the g
 
 
 def test_into_zeros_the_index_rule_remains(env):
-    """A buffer of zeros takes the values' type (choice 27); beside P values the index must still be R."""
+    """A buffer of zeros takes the values' type (choice 29); beside P values the index must still be R."""
     p, idx = t(P, shape=(2,)), t(V, shape=(2,)).long()
     with pytest.raises(spmd.SpmdTypeError) as err:
         torch.zeros(4).index_add(0, idx, p)

@@ -430,7 +430,7 @@ def _infer_or_raise(func, args, kwargs, key=None) -> TypeMap | None:
         return None
     entry = entry_for(func)
     dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
-    if entry.row.zero_buffer is not None:  # writing into a buffer of zeros: the values' type (choice 27)
+    if entry.row.zero_buffer is not None:  # writing into a buffer of zeros: the values' type (choice 29)
         known = known_into_zeros(entry, args, kwargs, dest, key)
         if known is not None:
             _type_plain_destination(dest, known)

@@ -1,4 +1,4 @@
-"""Writing values into a buffer of zeros: the result takes the values' type (docs/index.md, choice 27).
+"""Writing values into a buffer of zeros: the result takes the values' type (docs/index.md, choice 29).
 
 The rows of the rules table with a ``zero_buffer`` write values into a
 tensor. When that tensor holds only zeros, it is the identity of the sum, so
