@@ -38,6 +38,12 @@ def _algebra(row) -> str:
     terms = " + ".join(" * ".join(group) for group in row.terms)
     if row.linear_if_zero:
         terms += f" (linear only when {row.linear_if_zero} is 0)"
+    if row.linear_if:
+        name, allowed = row.linear_if
+        values = " or ".join("not given" if v is None else repr(v) for v in allowed)
+        terms += f" (linear only when {name} is {values})"
+    if row.zero_buffer:
+        terms += f"; {row.zero_buffer} all zeros: the values' type"
     return terms
 
 
@@ -62,6 +68,14 @@ def rules_page() -> str:
         "Python numbers and plain (untyped) tensors are *weak*: they take the other operands' type,",
         "except that a weak value added to a pending sum is rejected (it would be added once per rank).",
         "Under `spmd.typecheck(strict=True)` a plain tensor meeting a typed one is an error.",
+        "",
+        "A buffer of zeros is the exception: the rows whose algebra says *all zeros* write values into",
+        "a tensor, and when that tensor holds only zeros and carries no gradient (`torch.zeros(...)`,",
+        "`zeros_like`, `new_zeros`), the result is the values alone and takes their type where the",
+        "ordinary rule would refuse: `torch.zeros(n, h).scatter_add_(0, idx, x)` is P for a P `x`, V for",
+        "a V `x`. A plain buffer written in place becomes typed (unless another tensor shares its storage).",
+        "The buffer's values are read on every such call (one reduction, only where the ordinary rule",
+        "refuses; [choice 30](choices.md)). Under `strict=True` that buffer is accepted.",
         "",
         "## Rows",
         "",

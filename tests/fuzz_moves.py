@@ -345,9 +345,70 @@ def _function_moves(v: Val, k: int, axis: str, n: int, claim: str) -> list[Move]
     return out
 
 
+# ---------------------------------------------------------------------------
+# Writing values into a buffer (issue 16 item 1; the ops are fuzz_oracle's): into zeros that carry
+# no gradient the result is the values alone, so it takes their type where the ordinary rule refuses.
+
+_INTO_PLAIN_ZEROS = ("zeros.scatter_add_", "scatter_add(zeros)", "zeros.index_add_", "zeros.index_add",
+                     "zeros.index_put_", "index_put(zeros)", "zeros.scatter_reduce_", "scatter_reduce(zeros)")
+# a buffer of ones, an amax, zeros that carry a gradient: the ordinary rule, so P values are refused
+_P_REFUSED = ("ones.scatter_add", "zeros.scatter_amax", "zeros_grad.index_add")
+
+
+def _into_typed_zeros(b: tuple[str, ...], a: tuple[str, ...]) -> tuple[str, ...]:
+    """Out of place into zeros typed ``b``: the ordinary rule's type where it accepts, else the values' ``a``.
+
+    The ordinary rule reads a gradient-free I buffer as R, and a gradient-free R buffer as I beside
+    differentiable I values (the fuzzer's values all carry a gradient).
+    """
+    out = []
+    for x, y in zip(b, a):
+        t = _join([x, y], True)
+        if t is None and x == "I" and _base(y) in ("R", "V"):
+            t = _base(y)
+        elif t is None and x == "R" and y == "I":
+            t = "I"
+        out.append(t)
+    return tuple(out) if None not in out else tuple(_join([y], True) for y in a)  # type: ignore[misc]
+
+
+def _accumulate_moves(vals: list[Val], good: bool) -> list[Move]:
+    out = []
+    newest = [v for v in vals[:4] if v.shape]
+    for a in newest:
+        lin = tuple(_join([t], True) for t in a.types)
+        if good:
+            out += [Move(op, (a.name,), (), lin, a.shape) for op in _INTO_PLAIN_ZEROS]
+        if ("P" in lin) != good:
+            out += [Move(op, (a.name,), (), lin if good else (), a.shape) for op in _P_REFUSED]
+        if not good:  # a typed result written in place into a plain buffer that is not zeros
+            out.append(Move("ones.index_add_", (a.name,), (), (), a.shape))
+        for b in newest:
+            # The oracle reads zeros_like(b) as one tensor whatever b is, so a result is a list exactly where the
+            # values are; where the ordinary rule accepts with a list buffer beside values that are not a list
+            # (V zeros + R values: V, sound but not the values' own type) the two would disagree on the form.
+            into = _into_typed_zeros(b.types, a.types)
+            same_form = _lists(into) == _lists(a.types)
+            if good and same_form:
+                out.append(Move("new_zeros.scatter_add", (b.name, a.name), (), into, a.shape))
+            if b.shape != a.shape:
+                continue
+            if good and same_form:
+                out.append(Move("zeros_like.index_add", (b.name, a.name), (), into, a.shape))
+            # in place into typed zeros: the ordinary rule, and the buffer keeps its type (S(d) included)
+            if (_binary_types("ilin", b.types, a.types) is not None) == good and (
+                    not good or _lists(b.types) == _lists(a.types)):
+                out.append(Move("zeros_like.scatter_add_", (b.name, a.name), (), b.types if good else (), a.shape))
+    return out
+
+
+def _lists(types: tuple[str, ...]) -> tuple[bool, ...]:
+    return tuple(is_list_type(t) for t in types)
+
+
 # Categories a statement is drawn from (type-changing ops twice as often as the others).
-GOOD = ("type-op", "unary", "elementwise", "type-op", "nonlinear", "contract", "foreach", "where")
-BAD = ("type-op", "nonlinear", "elementwise", "contract", "foreach", "where")
+GOOD = ("type-op", "unary", "elementwise", "type-op", "nonlinear", "contract", "foreach", "where", "accumulate")
+BAD = ("type-op", "nonlinear", "elementwise", "contract", "foreach", "where", "accumulate")
 
 
 def _where_types(c: tuple[str, ...], a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -379,6 +440,8 @@ def moves(vals: list[Val], axes: tuple[tuple[str, int], ...], good: bool, cat: s
     """The statements of category ``cat`` the model says are well-typed (``good``) or ill-typed."""
     if cat == "where":
         ms = _where_moves(vals, good)
+    elif cat == "accumulate":
+        ms = _accumulate_moves(vals, good)
     elif cat == "type-op":
         ms = [m for v in vals for m in _type_op_moves(v, axes, good)]
     elif cat == "foreach":

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "Inp", "Stmt", "Step", "Program", "Den", "Mismatch", "ORDINARY", "FOREACH", "TYPE_OPS", "TYPE_FUNCTIONS",
+    "TYPE_ONLY_FIRST",
     "step",
     "read", "evaluate", "gradients", "is_list_type", "backward_type",
 ]
@@ -174,6 +175,57 @@ ORDINARY: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     "fn:unregistered": (torch.tanh, "UnregisteredTanh.apply({0})"),
 }
 
+
+# Writing values along dim 0 into a buffer (issue 16 item 1): a plain buffer of zeros, the zeros of
+# zeros_like / new_zeros of another value (whose type the buffer gets, not its values), ones, or zeros
+# that require grad. Rows are folded onto the first half, so some entries get two values and some none.
+def _rows(a: torch.Tensor) -> torch.Tensor:
+    return torch.arange(a.shape[0], device=a.device) % max(1, a.shape[0] // 2)
+
+
+def _grid(a: torch.Tensor) -> torch.Tensor:
+    return torch.arange(a.numel(), device=a.device).view(a.shape) % max(1, a.shape[0] // 2)
+
+
+def _filled(a: torch.Tensor, value: float, grad: bool = False) -> torch.Tensor:
+    return torch.full(a.shape, value, dtype=a.dtype, device=a.device, requires_grad=grad)
+
+
+ORDINARY.update({
+    "zeros.scatter_add_": (lambda a: _filled(a, 0.0).scatter_add_(0, _grid(a), a),
+                           "torch.zeros({0}.shape).scatter_add_(0, grid({0}), {0})"),
+    "scatter_add(zeros)": (lambda a: torch.scatter_add(_filled(a, 0.0), 0, _grid(a), a),
+                           "torch.scatter_add(torch.zeros({0}.shape), 0, grid({0}), {0})"),
+    "zeros.index_add_": (lambda a: _filled(a, 0.0).index_add_(0, _rows(a), a),
+                         "torch.zeros({0}.shape).index_add_(0, rows({0}), {0})"),
+    "zeros.index_add": (lambda a: _filled(a, 0.0).index_add(0, _rows(a), a, alpha=2.0),
+                        "torch.zeros({0}.shape).index_add(0, rows({0}), {0}, alpha=2.0)"),
+    "zeros.index_put_": (lambda a: _filled(a, 0.0).index_put_((_rows(a),), a, accumulate=True),
+                         "torch.zeros({0}.shape).index_put_((rows({0}),), {0}, accumulate=True)"),
+    "index_put(zeros)": (lambda a: torch.index_put(_filled(a, 0.0), (_rows(a),), a, accumulate=True),
+                         "torch.index_put(torch.zeros({0}.shape), (rows({0}),), {0}, accumulate=True)"),
+    "zeros.scatter_reduce_": (lambda a: _filled(a, 0.0).scatter_reduce_(0, _grid(a), a, "sum"),
+                              "torch.zeros({0}.shape).scatter_reduce_(0, grid({0}), {0}, 'sum')"),
+    "scatter_reduce(zeros)": (lambda a: torch.scatter_reduce(_filled(a, 0.0), 0, _grid(a), a, "sum", include_self=False),
+                              "torch.scatter_reduce(torch.zeros({0}.shape), 0, grid({0}), {0}, 'sum', include_self=False)"),
+    "zeros_like.index_add": (lambda b, a: torch.zeros_like(b).index_add(0, _rows(a), a),
+                             "torch.zeros_like({0}).index_add(0, rows({1}), {1})"),
+    "new_zeros.scatter_add": (lambda b, a: b.new_zeros(a.shape).scatter_add(0, _grid(a), a),
+                              "{0}.new_zeros({1}.shape).scatter_add(0, grid({1}), {1})"),
+    "zeros_like.scatter_add_": (lambda b, a: torch.zeros_like(b).scatter_add_(0, _grid(a), a),
+                                "torch.zeros_like({0}).scatter_add_(0, grid({1}), {1})"),
+    "ones.scatter_add": (lambda a: _filled(a, 1.0).scatter_add(0, _grid(a), a),
+                         "torch.ones({0}.shape).scatter_add(0, grid({0}), {0})"),
+    "ones.index_add_": (lambda a: _filled(a, 1.0).index_add_(0, _rows(a), a),
+                        "torch.ones({0}.shape).index_add_(0, rows({0}), {0})"),
+    "zeros.scatter_amax": (lambda a: _filled(a, 0.0).scatter_reduce(0, _grid(a), a, "amax"),
+                           "torch.zeros({0}.shape).scatter_reduce(0, grid({0}), {0}, 'amax')"),
+    "zeros_grad.index_add": (lambda a: _filled(a, 0.0, grad=True).index_add(0, _rows(a), a),
+                             "torch.zeros({0}.shape, requires_grad=True).index_add(0, rows({0}), {0})"),
+})
+# the ops whose first argument gives only a type (and a shape) to a buffer of zeros: no gradient reaches it
+TYPE_ONLY_FIRST = frozenset({"zeros_like.index_add", "new_zeros.scatter_add", "zeros_like.scatter_add_"})
+
 # torch._foreach_X over two-element lists: element i is the single-tensor op on element i of every list.
 # name -> (lists taken, the single-tensor op, code)
 FOREACH: dict[str, tuple[int, Callable[..., torch.Tensor], str]] = {
@@ -252,6 +304,8 @@ def _broadcast(dens: list[Den], sizes: tuple[int, ...]) -> tuple[tuple[int, ...]
 
 def _ordinary(stmt: Stmt, dens: list[Den], sizes: tuple[int, ...]) -> Den:
     fn = ORDINARY[stmt.op][0]
+    if stmt.op in TYPE_ONLY_FIRST:  # zeros_like(b): zeros whatever b holds, so one tensor, never a list
+        dens = [Den((), {(): next(iter(dens[0].data.values()))})] + dens[1:]
     vary, rows = _broadcast(dens, sizes)
     return Den(vary, {key: fn(*ts, **dict(stmt.params)) for key, ts in rows})
 

@@ -27,6 +27,7 @@ from fuzz_moves import BAD, GOOD, Val, moves
 from fuzz_oracle import (
     FOREACH,
     ORDINARY,
+    TYPE_ONLY_FIRST,
     Den,
     Inp,
     Mismatch,
@@ -102,7 +103,8 @@ def _used(inputs: tuple[Inp, ...], stmts: list[Stmt], outputs: list[str]) -> set
             for i in range(2):
                 deps[f"{s.out}_{i}"] = set().union(*(deps[a] for a in s.args[i::2]))
         else:
-            deps[s.out] = set().union(*(deps[a] for a in s.args))
+            args = s.args[1:] if s.op in TYPE_ONLY_FIRST else s.args
+            deps[s.out] = set().union(*(deps[a] for a in args))
     return set().union(*(deps[o] for o in outputs))
 
 

@@ -12,6 +12,7 @@ from conftest import fake_mesh
 import spmd_types as spmd
 from spmd_types import I, P, R, S, V
 from spmd_types._checker import tensor as _tensor
+from spmd_types._checker import zero_buffers as _zero_buffers
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def mesh():
 @pytest.fixture(autouse=True)
 def _fresh_cache():
     """Each test sees the rules themselves, not a result cached by an earlier test."""
-    for cache in getattr(_tensor, "_CACHES", ()):
+    for cache in (*getattr(_tensor, "_CACHES", ()), *_zero_buffers.KNOWN):
         cache.clear()
     yield
 

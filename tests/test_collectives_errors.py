@@ -126,10 +126,11 @@ def test_gather_dim_disagrees_with_shard(mesh):
     assert str(err) == "spmd.all_gather: src=S(0) already says dim 0; gather_dim=1 disagrees with it"
 
 
-def test_all_to_all_needs_dims(mesh):
-    err = _raises(ValueError, all_to_all, torch.ones(4, 4), "tp", src=V, dst=V)
+def test_all_to_all_v_to_v_splits_and_concatenates_dim_0_by_default(mesh):
+    err = _raises(ValueError, all_to_all, torch.ones(3, 4), "tp", src=V, dst=V)
     assert str(err) == (
-        "spmd.all_to_all: with src=V, dst=V give split_dim= and concat_dim= (or use src=S(i), dst=S(j), which say them)"
+        "spmd.all_to_all: split_dim=0 splits tensor dim 0 (size 3) into 4 equal shards on axis 'tp'; "
+        "3 is not divisible by 4."
     )
 
 

@@ -93,6 +93,13 @@ RECIPES: dict[str, Recipe] = {
                               lambda x: torch.index_add(x.p, 0, x.idx, x.r[:2]), P_PLUS),
     "torch.index_put": Recipe(lambda x: x.p.index_put((x.idx,), x.p[0]), P,
                               lambda x: x.p.index_put((x.idx,), x.r[0]), P_PLUS),
+    # scatter's deprecated reduce="multiply" multiplies the destination by the values
+    "torch.index_copy": Recipe(lambda x: x.p.index_copy(0, x.idx, x.p[:2]), P,
+                               lambda x: x.p.scatter(0, x.idx[None], x.p[:1], reduce="multiply"), NOT_LINEAR),
+    # into a buffer of zeros a sum takes the values' type (tests/test_zero_buffers.py: every op and form)
+    "torch.scatter_reduce": Recipe(lambda x: torch.zeros(4, 4).scatter_reduce(0, x.idx[None], x.p[:1], "sum"), P,
+                                   lambda x: torch.zeros(4, 4).scatter_reduce(0, x.idx[None], x.p[:1], "amax"),
+                                   NOT_LINEAR + " src"),
     "torch.cat": Recipe(lambda x: torch.cat([x.p, x.p]), P, lambda x: torch.cat([x.p, x.r]), P_PLUS),
     "Tensor.copy_": Recipe(lambda x: x.p.clone().copy_(x.p), P, lambda x: x.r.clone().copy_(x.v), IN_PLACE),
     "torch.where": Recipe(lambda x: torch.where(x.mask, x.p, x.p), P,

@@ -290,3 +290,21 @@ backward() from a Replicate (R) value seeds a gradient of 1 on every rank; the g
   fix:  spmd.convert(loss, 'tp', src=spmd.R, dst=spmd.I)
   or:   spmd.all_reduce(..., 'tp', src=spmd.P, dst=spmd.I) where the loss is reduced
 """, "loss.backward()")
+
+
+def test_into_zeros_the_index_rule_remains(env):
+    """A buffer of zeros takes the values' type (choice 30); beside P values the index must still be R."""
+    p, idx = t(P, shape=(2,)), t(V, shape=(2,)).long()
+    with pytest.raises(spmd.SpmdTypeError) as err:
+        torch.zeros(4).index_add(0, idx, p)
+    assert str(err.value) == pinned("""
+Tensor.index_add is linear in source but not in index: with a pending sum (P) in source, index must be Replicate (R), and it is V.
+  op:       Tensor.index_add
+  operands: input (torch.zeros(4)): all zeros (takes the written values' type)
+            dim (0): Python number
+            index (idx): {dp: R, tp: V}
+            source (p): {dp: R, tp: P}
+  axis:     'tp': source is P and index is V
+  at:       @AT@
+  fix:      spmd.all_reduce(p, 'tp', src=spmd.P, dst=spmd.R)
+""", "torch.zeros(4).index_add(0, idx, p)")

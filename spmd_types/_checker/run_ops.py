@@ -253,6 +253,24 @@ def _inplace_destination(func, args) -> torch.Tensor | None:
     return args[0] if inplace else None
 
 
+def holds_only_zeros(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is zero (on every simulated rank under ``LocalTensorMode``).
+
+    Reads the values: one reduction, and a host sync on an accelerator.
+    """
+    swapped = _swap_to_base((t,), {})
+    try:
+        with _DisableTF(), torch.no_grad():
+            if t.device.type == "meta":
+                return False
+            nonzero = t.any()
+            per_rank = getattr(nonzero, "_local_tensors", None)  # a LocalTensor: one flag per simulated rank
+            return not any(bool(f) for f in (per_rank.values() if per_rank is not None else (nonzero,)))
+    finally:
+        for x, tp in swapped:
+            x.__class__ = tp
+
+
 def _swap_destination(dest: torch.Tensor) -> list[tuple[torch.Tensor, type]]:
     """Give an in-place op's destination, and the base it views, their simulator classes for the call.
 

@@ -38,6 +38,7 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _swap_to_base,
 )
 from .trace import log_op
+from .zero_buffers import into_zeros, known_into_zeros, remember
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
@@ -150,7 +151,7 @@ def _typed_call(func, args, kwargs):
     out_types = cache.get(key, _MISSING)
     if out_types is _MISSING:
         STATE.uncacheable = False
-        out_types = _infer_or_raise(func, args, kwargs)
+        out_types = _infer_or_raise(func, args, kwargs, key)
         if not STATE.uncacheable:  # a gradient-free acceptance depends on more than types: not cached
             cache[key] = out_types
     if STATE.tracing:
@@ -363,6 +364,8 @@ def _marker(a: Any) -> Any:
         return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
     if tp is list or tp is tuple:
         return tuple(_marker(x) for x in a)
+    if tp is str:  # a mode argument can decide linearity (scatter_reduce's reduce="sum" vs "amax")
+        return a
     return None
 
 
@@ -443,7 +446,7 @@ _KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping
                    torch.Tensor.copy_: _copy_checking_type}
 
 
-def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
+def _infer_or_raise(func, args, kwargs, key=None) -> TypeMap | None:
     for a in (*args, *kwargs.values()):  # a transform's wrapped tensor meets a typed one (never cached)
         if _marker(a) is _TRANSFORMED:
             typed = next((x for x in (*args, *kwargs.values()) if type(x) in _TYPED_CLASSES), None)
@@ -452,16 +455,36 @@ def _infer_or_raise(func, args, kwargs) -> TypeMap | None:
         _check_backward_root(args, kwargs)
         return None
     entry = entry_for(func)
+    dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
+    if entry.row.zero_buffer is not None:  # writing into a buffer of zeros: the values' type (choice 30)
+        known = known_into_zeros(entry, args, kwargs, dest, key)
+        if known is not None:
+            _type_plain_destination(dest, known)
+            return known
     result = infer(entry, args, kwargs, STATE.strict)
+    zeros = cacheable = False
+    if entry.row.zero_buffer is not None and (isinstance(result, Rejection) or (
+            result is not None and isinstance(dest, torch.Tensor) and getattr(dest, "_spmd_types", None) is None)):
+        result, zeros, cacheable = into_zeros(entry, args, kwargs, dest, result)
     if isinstance(result, Rejection):
         found = unsynced_grad(args, kwargs)  # a forgotten gradient sync: name the parameter
         if found is not None:
             raise SpmdTypeError(unsynced_grad_rejection(entry.display, *found), user_source_line())
         raise op_error(result, getattr(func, "__name__", ""), entry.row.params)
-    dest = kwargs.get("out") if "out" in kwargs else (args[0] if entry.inplace and args else None)
     if dest is not None and result is not None:
+        if zeros and args and dest is args[0]:
+            _type_plain_destination(dest, result)
         _check_destination(entry, dest, result)
+    if cacheable and key is not None:
+        remember(key, result)
     return result
+
+
+def _type_plain_destination(dest: Any, types: TypeMap) -> None:
+    """A plain buffer of zeros written in place is typed before the write: the op runs on a typed destination."""
+    if isinstance(dest, torch.Tensor) and getattr(dest, "_spmd_types", None) is None:
+        dest.__class__ = _typed_class_for(dest)
+        dest._spmd_types = types
 
 
 def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:

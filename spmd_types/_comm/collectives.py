@@ -111,8 +111,9 @@ def all_reduce(
         grad = spmd.all_reduce(g, "dp", src=spmd.P, dst=spmd.I, op_dtype=torch.float32)  # sum bf16 grads in fp32
     """
     if inplace:
+        _check_inplace(x)  # before any communication
         return _into(x, all_reduce(x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype, out_dtype=out_dtype,
-                                   backward_options=backward_options), _check_inplace(x))
+                                   backward_options=backward_options))
     if is_dtensor(x):
         src = (V if op in EXTREME_OPS else P) if src is None else src
         return interop().typed_op(all_reduce, x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype,
@@ -144,7 +145,7 @@ def _check_inplace(x: torch.Tensor) -> None:
         )
 
 
-def _into(x: torch.Tensor, out: torch.Tensor, _checked: None) -> torch.Tensor:
+def _into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy ``out`` into ``x`` (dispatch off) and give ``x`` the result's type; returns ``x``."""
     with torch.no_grad(), _DisableTF():
         x.copy_(out)

@@ -23,7 +23,7 @@ from .._core.types import I, P, R, SpmdType, TypeMap, V
 from .op_registry import OpEntry
 from .rules_table import RuleKind
 
-__all__ = ["Operand", "infer", "WEAK"]
+__all__ = ["Operand", "infer", "WEAK", "backward_possible"]
 
 
 class _Weak:
@@ -41,7 +41,7 @@ class Operand:
     label: str
     types: TypeMap | _Weak
     is_tensor: bool
-    zero: bool = False  # a Python number equal to 0
+    zero: bool = False  # a Python number equal to 0, or a buffer of zeros (see infer's zero_buffer)
     grad: bool = False  # can carry a gradient: a tensor that requires grad, with grad mode on
 
     def on(self, axis: str) -> SpmdType | None:
@@ -53,6 +53,8 @@ class Operand:
 
     def shown(self) -> str:
         if self.types is WEAK:
+            if self.is_tensor and self.zero:
+                return "all zeros (takes the written values' type)"
             return "plain tensor (untyped)" if self.is_tensor else "Python number"
         return self.types.format()  # type: ignore[union-attr]
 
@@ -64,13 +66,13 @@ def types_of(x: Any) -> TypeMap | None:
 def _operand(label: str, value: Any) -> Operand | None:
     if isinstance(value, torch.Tensor):
         t = types_of(value)
-        return Operand(label, t if t is not None else WEAK, True, grad=value.requires_grad and _backward_possible())
+        return Operand(label, t if t is not None else WEAK, True, grad=value.requires_grad and backward_possible())
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return Operand(label, WEAK, False, _is_zero(value))
     return None
 
 
-def _backward_possible() -> bool:
+def backward_possible() -> bool:
     """Grad mode on, or off only because a custom Function's forward runs (forward-mode AD off too).
 
     A registered ``transparent=True`` Function (activation checkpointing) runs
@@ -84,8 +86,12 @@ def _is_zero(value: Any) -> bool:
     return value is None or (type(value) in (int, float) and value == 0)
 
 
-def _bind(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, list[Operand]]:
-    """Map each parameter name to the operands passed for it (lists expanded)."""
+def _bind(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], zero_buffer: bool) -> dict[str, list[Operand]]:
+    """Map each parameter name to the operands passed for it (lists expanded).
+
+    With ``zero_buffer``, the row's ``zero_buffer`` operand is a weak zero: it
+    holds only zeros, so it adds nothing and takes the other operands' type.
+    """
     params = entry.row.params
     bound: dict[str, list[Operand]] = {}
     raw: list[tuple[str, Any]] = []
@@ -111,18 +117,18 @@ def _bind(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[s
         for label, v in items:
             op = _operand(label, v)
             if op is not None:
+                if zero_buffer and name == entry.row.zero_buffer and op.is_tensor:
+                    op = Operand(label, WEAK, True, zero=True)
                 bound.setdefault(name, []).append(op)
     return bound
 
 
-def _structure(entry: OpEntry, bound: dict[str, list[Operand]], fill_is_zero: bool):
+def _structure(entry: OpEntry, bound: dict[str, list[Operand]], linear_here: bool):
     """Split operands into linear terms (each a list of factors) and non-linear operands."""
     row = entry.row
     in_terms: set[str] = set()
     terms: list[list[Operand]] = []
-    linear = row.kind in (RuleKind.LINEAR, RuleKind.MULTILINEAR)
-    if linear and row.linear_if_zero is not None and not fill_is_zero:
-        linear = False
+    linear = linear_here and row.kind in (RuleKind.LINEAR, RuleKind.MULTILINEAR)
     if linear:
         for group in row.terms:
             in_terms.update(group)
@@ -152,20 +158,39 @@ def _fill_is_zero(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -
     return entry.row.kind is not RuleKind.FACTORY
 
 
-def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: bool) -> TypeMap | Rejection | None:
+def _mode_is_linear(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """The row's ``linear_if`` argument (scatter's ``reduce=``) has a value for which the op is linear."""
+    if entry.row.linear_if is None:
+        return True
+    name, allowed = entry.row.linear_if
+    params = entry.row.params
+    if name in kwargs:
+        value = kwargs[name]
+    elif name in params and params.index(name) < len(args):
+        value = args[params.index(name)]
+    else:  # not given (scatter's reduce= is keyword-only)
+        value = None
+    return isinstance(value, (str, type(None))) and value in allowed
+
+
+def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: bool,
+          zero_buffer: bool = False) -> TypeMap | Rejection | None:
     """The output type of ``entry.func(*args, **kwargs)``, or why it is ill typed.
 
     Returns None when no operand is typed (the result stays a plain tensor).
+    ``zero_buffer=True`` says that the row's ``zero_buffer`` tensor (the one the
+    op writes into) holds only zeros and carries no gradient: the caller has
+    looked, and this function reads it as a zero term of the sum.
     """
     row = entry.row
-    bound = _bind(entry, args, kwargs)
+    bound = _bind(entry, args, kwargs, zero_buffer)
     operands = [op for ops in bound.values() for op in ops]
     typed = [op for op in operands if op.types is not WEAK]
     if not typed:
         return None
     if strict:
         for op in operands:
-            if op.is_tensor and op.types is WEAK:
+            if op.is_tensor and op.types is WEAK and not op.zero:  # a buffer of zeros is a valid value of any type
                 return _strict_rejection(entry, op, typed[0])
     for op in typed:
         if op.types.pending and not _claimed_by_destination(entry, typed, op):  # type: ignore[union-attr]
@@ -190,8 +215,8 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
         if row.kind is RuleKind.FACTORY and not _fill_is_zero(entry, args, kwargs):
             return TypeMap.of(((a, R if t is P else t) for a, t in first.items), first.space)
         return first
-    zero_fill = _fill_is_zero(entry, args, kwargs)
-    terms, others = _structure(entry, bound, zero_fill)
+    linear_here = _fill_is_zero(entry, args, kwargs) and _mode_is_linear(entry, args, kwargs)
+    terms, others = _structure(entry, bound, linear_here)
     out: list[tuple[str, SpmdType]] = []
     relaxed = False
     for axis in axes:

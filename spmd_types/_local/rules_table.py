@@ -21,6 +21,13 @@ arguments (seed 003, "Local SPMD"):
 parameter not in ``terms`` (and not ``ignored``) is a non-linear argument: it
 may never be P, and must be R (or a constant) when the result is P.
 An op missing from this table is treated as ``NONLINEAR``.
+
+Two fields make linearity depend on an argument's value: ``linear_if_zero``
+(the op is linear only when that argument is 0) and ``linear_if`` (only when
+that argument is one of the listed values; a missing argument counts as None).
+``zero_buffer`` names the tensor an op writes values into: when it holds only
+zeros and carries no gradient, it is the identity of the sum, and the result
+takes the type of the values written (``_checker/zero_buffers.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class Row:
     terms: tuple[tuple[str, ...], ...] = ()
     ignored: tuple[str, ...] = ()
     linear_if_zero: str | None = None
+    linear_if: tuple[str, tuple[object, ...]] | None = None
+    zero_buffer: str | None = None
 
 
 def op_variants(*bases: str, inplace: bool = True, torch_ns: bool = True, method: bool = True) -> tuple[str, ...]:
@@ -76,6 +85,14 @@ NL = RuleKind.NONLINEAR
 LIN = RuleKind.LINEAR
 ML = RuleKind.MULTILINEAR
 UNARY = (("input",),)
+# The rule of the rows that write values into a tensor (their zero_buffer), in the docs' words.
+_INTO_ZEROS = (
+    "into a buffer of zeros that carries no gradient (torch.zeros, zeros_like, new_zeros) the result is the "
+    "values alone, so where the ordinary rule would refuse, it takes their type (P stays P, V stays V, R stays R, "
+    "I stays I) whatever the buffer's; a plain buffer written in place becomes typed (unless another tensor shares "
+    "its storage), a typed one keeps its type (an in-place op never changes it); a buffer that is not all zeros "
+    "keeps the ordinary rule"
+)
 SUM2 = (("input",), ("other",))
 PROD2 = (("input", "other"),)
 
@@ -153,19 +170,32 @@ ROWS: tuple[Row, ...] = (
     Row(("Tensor.view_as", "Tensor.reshape_as", "Tensor.expand_as", "Tensor.type_as"),
         LIN, "linear in the input; the other tensor only gives a shape or dtype",
         terms=UNARY, ignored=("other",)),
-    Row(("Tensor.__setitem__",), LIN, "x[i] = v: the result is linear in x and v jointly",
-        params=("input", "index", "value"), terms=(("input",), ("value",))),
+    Row(("Tensor.__setitem__",), LIN, "x[i] = v: the result is linear in x and v jointly; " + _INTO_ZEROS,
+        params=("input", "index", "value"), terms=(("input",), ("value",)), zero_buffer="input"),
     Row(_fam("index_select", "gather", "take_along_dim", "take", inplace=False),
         LIN, "selecting by an index is linear in the data; the index is non-linear",
         params=("input", "dim", "index"), terms=UNARY),
-    Row(_fam("index_add", "scatter_add", "index_copy", "scatter"),
+    Row(_fam("index_add", "scatter_add"),
+        LIN, "adding values at indices is linear in the destination and the values jointly (the values are "
+        "spelled source or src, depending on the op); " + _INTO_ZEROS,
+        params=("input", "dim", "index", "source"), terms=(("input",), ("source",), ("src",)),
+        zero_buffer="input"),
+    Row(_fam("index_copy", "scatter"),
         LIN, "writing values at indices is linear in the destination and the values jointly (the values are "
-        "spelled source, src or value, depending on the op)",
-        params=("input", "dim", "index", "source"), terms=(("input",), ("source",), ("src",), ("value",))),
-    Row(_fam("index_put", "masked_scatter"),
-        LIN, "writing values at indices is linear in the destination and the values jointly (the values are "
-        "spelled source or values, depending on the op)",
-        params=("input", "index", "source"), terms=(("input",), ("source",), ("values",))),
+        "spelled source, src or value, depending on the op), and so is scatter's reduce='add'; "
+        "reduce='multiply' multiplies the destination by the values, which is not linear in both; " + _INTO_ZEROS,
+        params=("input", "dim", "index", "source"), terms=(("input",), ("source",), ("src",), ("value",)),
+        linear_if=("reduce", (None, "add")), zero_buffer="input"),
+    Row(_fam("index_put", "masked_scatter") + ("torch.index_put_",),
+        LIN, "writing values at indices, or adding them (accumulate=True), is linear in the destination and the "
+        "values jointly (the values are spelled source or values, depending on the op); " + _INTO_ZEROS,
+        params=("input", "index", "source"), terms=(("input",), ("source",), ("values",)), zero_buffer="input"),
+    Row(_fam("scatter_reduce"),
+        LIN, "reduce='sum' adds values at indices, with or without the destination's own entries "
+        "(include_self): linear in the destination and the values jointly; 'amax', 'amin' and 'prod' are "
+        "not linear, and 'mean' is classed non-linear too (it rounds for integer dtypes); " + _INTO_ZEROS,
+        params=("input", "dim", "index", "src", "reduce", "include_self"), terms=(("input",), ("src",)),
+        linear_if=("reduce", ("sum",)), zero_buffer="input"),
     Row(_fam("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
              inplace=False, method=False),
         LIN, "concatenation is linear in all its inputs jointly", params=("tensors",), terms=(("tensors",),)),

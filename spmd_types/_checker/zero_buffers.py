@@ -1,0 +1,95 @@
+"""Writing values into a buffer of zeros: the result takes the values' type (docs/index.md, choice 30).
+
+The rows of the rules table with a ``zero_buffer`` write values into a
+tensor. When that tensor holds only zeros, it is the identity of the sum, so
+the result is the values alone: ``torch.zeros(n, h).scatter_add_(0, idx, x)``
+is P for a P ``x``. Torch's plain factories are not seen by the checker, so
+"zeros" is known by reading the buffer (one reduction, a host sync on an
+accelerator), and only where the ordinary rule refuses, or would write a
+typed result into a plain buffer. The type the relaxed rule gives is kept per
+call signature (the result cache's key), so a call seen before costs the
+buffer checks and no inference; the buffer itself is checked on every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._core.errors import Rejection
+from .._core.state import STATE
+from .._core.types import TypeMap
+from .._local.op_registry import OpEntry
+from .._local.rules import backward_possible, infer
+from .run_ops import holds_only_zeros
+
+__all__ = ["known_into_zeros", "into_zeros", "remember", "KNOWN"]
+
+_DisableTF = torch._C.DisableTorchFunctionSubclass
+
+# non-strict, strict: the result cache's key -> the type a qualifying buffer of zeros gave that call
+KNOWN: tuple[dict, dict] = ({}, {})
+
+
+def _buffer(entry: OpEntry, args, kwargs) -> Any:
+    return args[0] if args else kwargs.get(entry.row.zero_buffer)
+
+
+def _qualifies(buf: Any, dest: Any) -> bool:
+    """``buf`` holds only zeros and carries no gradient (whose type would be the values' backward type).
+
+    A plain buffer written in place is typed before the write, so no other
+    tensor may share its storage: a view of it, the tensor it views, or an
+    alias typed by ``assert_type`` would keep its own type (or none) and hold
+    the new values.
+    """
+    if not isinstance(buf, torch.Tensor):
+        return False
+    with _DisableTF():
+        if buf.requires_grad and backward_possible():
+            return False
+        if dest is buf and getattr(buf, "_spmd_types", None) is None and _storage_shared(buf):
+            return False
+    return holds_only_zeros(buf)
+
+
+def _storage_shared(t: torch.Tensor) -> bool:
+    """Whether a tensor other than ``t`` holds ``t``'s storage (a view, its base, an alias)."""
+    try:
+        storage = t.untyped_storage()
+        # held by t and by the storage object just made; a third holder is another tensor (or saved for backward)
+        return torch._C._storage_Use_Count(storage._cdata) > 2
+    except (RuntimeError, NotImplementedError, AttributeError):  # a tensor without storage: assume it is shared
+        return True
+
+
+def known_into_zeros(entry: OpEntry, args, kwargs, dest: Any, key: Any) -> TypeMap | None:
+    """The type this call's signature got into zeros before, if its buffer qualifies again; else None."""
+    types = KNOWN[STATE.strict].get(key) if key is not None else None
+    if types is None or not _qualifies(_buffer(entry, args, kwargs), dest):
+        return None
+    STATE.uncacheable = True  # the answer depends on the buffer's values: not for the result cache
+    return types
+
+
+def into_zeros(entry: OpEntry, args, kwargs, dest: Any,
+               result: TypeMap | Rejection) -> tuple[TypeMap | Rejection, bool, bool]:
+    """``(type, relaxed, cacheable)``: the ordinary rule's ``result``, or the relaxed rule's if the buffer qualifies.
+
+    ``cacheable`` is False when the relaxed answer also relied on operands that
+    carry no gradient (choice 13), which the call's signature does not show.
+    """
+    if not _qualifies(_buffer(entry, args, kwargs), dest):
+        return result, False, False
+    STATE.uncacheable = False
+    relaxed = infer(entry, args, kwargs, STATE.strict, zero_buffer=True)
+    cacheable = not STATE.uncacheable
+    STATE.uncacheable = True  # the answer depends on the buffer's values: not for the result cache
+    if relaxed is None:  # nothing typed but the buffer: the ordinary rule's answer stands
+        return result, False, False
+    return relaxed, True, cacheable
+
+
+def remember(key: Any, types: TypeMap) -> None:
+    KNOWN[STATE.strict][key] = types
