@@ -86,7 +86,7 @@ RECIPES: dict[str, Recipe] = {
     # view_as takes only a shape from its other operand, never its type
     "Tensor.view_as": Recipe(lambda x: x.p.view_as(x.v), P, lambda x: x.p.view_as(x.r) + x.r, P_PLUS),
     "Tensor.__setitem__": Recipe(lambda x: _set_and_get(x.p.clone(), 0, x.p[1]), P,
-                                 lambda x: _set_and_get(x.r.clone(), 0, x.v[1]), IN_PLACE),
+                                 lambda x: _set_and_get(x.r_grad * 1, 0, x.v[1]), IN_PLACE),
     "torch.index_select": Recipe(lambda x: torch.index_select(x.p, 0, x.idx), P,
                                  lambda x: torch.index_select(x.p, 0, x.idx_v), NEEDS_R),
     "torch.index_add": Recipe(lambda x: torch.index_add(x.p, 0, x.idx, x.p[:2]), P,
@@ -101,7 +101,7 @@ RECIPES: dict[str, Recipe] = {
                                    lambda x: torch.zeros(4, 4).scatter_reduce(0, x.idx[None], x.p[:1], "amax"),
                                    NOT_LINEAR + " src"),
     "torch.cat": Recipe(lambda x: torch.cat([x.p, x.p]), P, lambda x: torch.cat([x.p, x.r]), P_PLUS),
-    "Tensor.copy_": Recipe(lambda x: x.p.clone().copy_(x.p), P, lambda x: x.r.clone().copy_(x.v), IN_PLACE),
+    "Tensor.copy_": Recipe(lambda x: x.p.clone().copy_(x.p), P, lambda x: (x.r_grad * 1).copy_(x.v), IN_PLACE),
     "torch.where": Recipe(lambda x: torch.where(x.mask, x.p, x.p), P,
                           lambda x: torch.where(x.mask_v, x.p, x.p), NEEDS_R),
     "Tensor.where": Recipe(lambda x: x.p.where(x.mask, x.p), P, lambda x: x.p.where(x.mask, x.r), P_PLUS),

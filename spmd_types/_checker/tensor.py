@@ -18,7 +18,7 @@ from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.spec import format_shape, short_dtype
 from .._core.state import STATE
-from .._core.types import P, R, TypeMap, V
+from .._core.types import I, P, R, TypeMap, V
 from .._global.shard_props import PendingSum
 from .._global.shard_rules import explain_failure, propagate, raise_pending
 from .._guards.function_guard import check_no_unregistered_function
@@ -38,7 +38,7 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _swap_to_base,
 )
 from .trace import log_op
-from .zero_buffers import into_zeros, known_into_zeros, remember
+from .zero_buffers import into_zeros, known_into_zeros, remember, storage_shared
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
@@ -502,9 +502,13 @@ def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
             ),
             user_source_line(),
         )
+    becomes_varying = []
     for axis, t in result.items:
         have = dest_types.get(axis)
         if have is None or have is t or (have.is_varying and t.is_varying):
+            continue
+        if t.is_varying and (have is R or have is I) and _sole_and_gradient_free(dest):
+            becomes_varying.append(axis)  # same data everywhere, now per-rank data: what V means
             continue
         raise SpmdTypeError(
             Rejection(
@@ -516,7 +520,23 @@ def _check_destination(entry: OpEntry, dest: Any, result: TypeMap) -> None:
             ),
             user_source_line(),
         )
+    if becomes_varying:
+        STATE.uncacheable = True  # depends on the tensor's gradient and aliases, not only on types
+        for axis in becomes_varying:
+            dest_types = dest_types.replace(axis, V)
+        dest._spmd_types = dest_types
 
+
+def _sole_and_gradient_free(dest: torch.Tensor) -> bool:
+    """No gradient to type and no other tensor on its storage: an R or I tensor may become V in place.
+
+    Written in place with per-rank values, it holds different data on each rank; with no gradient
+    there is no backward to get wrong, and with no alias no other tensor still claims R.
+    """
+    with _DisableTF():
+        if dest.requires_grad:
+            return False
+        return not storage_shared(dest)
 
 
 def _backward_from_typed_root(func, args, kwargs):

@@ -24,7 +24,7 @@ from .._local.op_registry import OpEntry
 from .._local.rules import backward_possible, infer
 from .run_ops import holds_only_zeros
 
-__all__ = ["known_into_zeros", "into_zeros", "remember", "KNOWN"]
+__all__ = ["known_into_zeros", "into_zeros", "remember", "KNOWN", "storage_shared"]
 
 _DisableTF = torch._C.DisableTorchFunctionSubclass
 
@@ -49,12 +49,12 @@ def _qualifies(buf: Any, dest: Any) -> bool:
     with _DisableTF():
         if buf.requires_grad and backward_possible():
             return False
-        if dest is buf and getattr(buf, "_spmd_types", None) is None and _storage_shared(buf):
+        if dest is buf and getattr(buf, "_spmd_types", None) is None and storage_shared(buf):
             return False
     return holds_only_zeros(buf)
 
 
-def _storage_shared(t: torch.Tensor) -> bool:
+def storage_shared(t: torch.Tensor) -> bool:
     """Whether a tensor other than ``t`` holds ``t``'s storage (a view, its base, an alias)."""
     try:
         storage = t.untyped_storage()
