@@ -270,12 +270,12 @@ def _registry_config(model: str) -> Any:
         from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
         cfg = llama3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:2]
+        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:1]
     elif model == "qwen3":
         from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
 
         cfg = qwen3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:2]
+        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:1]
     elif model == "qwen3_moe":
         import torchtitan.models.qwen3 as qwen3
         from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
@@ -286,10 +286,17 @@ def _registry_config(model: str) -> Any:
             n_layers=1, dim=mc.dim, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=64, num_experts=8,
             top_k=2, attn_backend="flex", moe_comm_backend="standard", rope=mc.layers[0].attention.rope)
     elif model == "deepseek_v3":
+        import torchtitan.models.deepseek_v3 as deepseek_v3
         from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
         cfg = deepseek_v3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:2]  # one dense layer, one MoE layer
+        mc = cfg.model_spec.model
+        mc.layers = deepseek_v3._build_dsv3_layers(  # one dense layer, one MoE layer
+            n_layers=2, n_dense_layers=1, dim=mc.dim, n_heads=4, q_lora_rank=0, kv_lora_rank=64,
+            qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, mscale=0.70, dense_hidden_dim=128,
+            moe_hidden_dim=64, num_experts=8, num_shared_experts=2, router_top_k=3, router_score_func="softmax",
+            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+            rope=mc.layers[0].attention.rope)
     elif model == "gpt_oss":
         import torchtitan.models.gpt_oss as gpt_oss
         from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel_flex
@@ -298,7 +305,8 @@ def _registry_config(model: str) -> Any:
         mc = cfg.model_spec.model
         mc.layers = gpt_oss._build_gptoss_layers(
             dim=mc.dim, n_layers=2, hidden_dim=64, num_experts=8, top_k=4, load_balance_coeff=1e-3,
-            attn_backend="flex", moe_comm_backend="standard", rope=mc.layers[0].attention.rope)
+            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+            rope=mc.layers[0].attention.rope)
     else:
         raise KeyError(model)
     return cfg
@@ -319,6 +327,7 @@ def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
     # what torchtitan's own spmd_types test recipes do when checking is on
     cfg.activation_checkpoint = None
     cfg.compile.enable = False
+    cfg.loss.num_chunks = 2  # the chunked loss's per-chunk backward, twice rather than eight times
     t = cfg.training
     t.seq_len, t.local_batch_size = SEQ_LEN, LOCAL_BATCH
     t.disable_cuda_graphs = True
@@ -372,6 +381,9 @@ def build(c: Case, *, checking: bool, world: int, simulated: bool = False) -> Bu
     model = spec.parallelize_fn(
         model, parallel_dims=parallel_dims, training=cfg.training, parallelism=cfg.parallelism,
         compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/nonexistent")
+    if simulated and model.enable_weight_tying:
+        # parallelize gave each module its own parameter; Decoder.init_states re-ties them first thing
+        model.tok_embeddings.weight = model.lm_head.weight
     if not simulated:
         model.to_empty(device="cpu")
         # Fused-QKV init of plain (non-DTensor) parameters reads the TP rank
@@ -387,10 +399,13 @@ def build(c: Case, *, checking: bool, world: int, simulated: bool = False) -> Bu
 
 def _hand_to_every_rank(model: torch.nn.Module) -> None:
     """Make each parameter and buffer a LocalTensor holding the same value on every simulated rank."""
+    made: dict[int, torch.nn.Parameter] = {}  # a tied parameter stays one parameter
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
-                module._parameters[name] = torch.nn.Parameter(_same_on_ranks(param.detach()), param.requires_grad)
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(_same_on_ranks(param.detach()), param.requires_grad)
+                module._parameters[name] = made[id(param)]
         for name, buf in list(module._buffers.items()):
             if buf is not None:
                 module._buffers[name] = _same_on_ranks(buf)
@@ -428,12 +443,91 @@ def environment(env: str, world: int) -> Iterator[None]:
                 from torch.distributed._local_tensor import LocalTensorMode
 
                 _register_simulator_functions()
+                stack.enter_context(_ranks_read_per_rank())
                 stack.enter_context(LocalTensorMode(world))
             yield
     finally:
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _SimulatedDist(types.ModuleType):
+    """``torch.distributed`` as one simulated rank's code sees it: ``get_rank`` answers per rank.
+
+    Under ``LocalTensorMode`` every simulated rank runs in this one process,
+    whose fake process group says rank 0; ``get_rank(group)`` here returns a
+    per-rank int (each rank's index in its group, as torch's simulator lays
+    groups out), so code that slices by its rank slices right on every rank.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name: str) -> Any:
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+
+    @staticmethod
+    def get_rank(group: Any = None) -> Any:
+        import torch.distributed as dist
+        from torch.distributed._local_tensor import LocalIntNode, local_tensor_mode
+        from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+        mode = local_tensor_mode()
+        if mode is None:
+            return dist.get_rank(group)
+        if group is None:
+            return torch.SymInt(LocalIntNode({r: r for r in mode.ranks}))
+        ranks, group_offsets, _ = _prepare_collective_groups(group)
+        index = {offset + r: i for offset in group_offsets for i, r in enumerate(ranks)}
+        return torch.SymInt(LocalIntNode({r: index[r] for r in mode.ranks}))
+
+
+def _per_rank(op: Callable[..., int]) -> Callable[..., Any]:
+    """``op`` (``min`` or ``max`` of ints) taken on each simulated rank when an argument is a per-rank int."""
+    def on_each_rank(*args: Any) -> Any:
+        from torch.distributed._local_tensor import LocalIntNode, _int_on_rank, local_tensor_mode
+
+        mode = local_tensor_mode()
+        if mode is None or not any(isinstance(a, torch.SymInt) for a in args):
+            return op(*args)
+        nodes = [a.node if isinstance(a, torch.SymInt) else a for a in args]
+        return torch.SymInt(LocalIntNode({r: op(_int_on_rank(n, r) for n in nodes) for r in mode.ranks}))
+
+    return on_each_rank
+
+
+# torchtitan's modules that read their rank with ``dist.get_rank(group)`` on the step's path: the
+# vocab-parallel Embedding (vocab offset) and the loss-parallel cross entropy (vocab bounds, with
+# ``min``/``max`` of the rank-dependent ints, which must be taken rank by rank)
+_READS_RANK = {
+    "torchtitan.models.common.embedding": {"dist": _SimulatedDist()},
+    "torchtitan.components.loss": {"dist": _SimulatedDist(), "min": _per_rank(min), "max": _per_rank(max)},
+}
+
+
+@contextlib.contextmanager
+def _ranks_read_per_rank() -> Iterator[None]:
+    """For the simulated ranks, the modules in :data:`_READS_RANK` see their own rank on each rank."""
+    saved: list[tuple[Any, str, Any]] = []
+    for name, names in _READS_RANK.items():
+        module = importlib.import_module(name)
+        for attr, value in names.items():
+            saved.append((module, attr, module.__dict__.get(attr, _ABSENT)))
+            setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            if value is _ABSENT:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, value)
+
+
+_ABSENT = object()
 
 
 def _register_simulator_functions() -> None:
@@ -506,8 +600,11 @@ def _per_rank(global_tensor: torch.Tensor, rows: Callable[[int], slice], env: st
     return rank_map(values.__getitem__)
 
 
-def train_step(b: Built, env: str) -> torch.Tensor:
-    """The trainer's step for one microbatch: inputs annotated, forward, loss, backward; returns the loss.
+def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
+    """The trainer's step for one microbatch of a ``global_rows``-row batch; returns the loss.
+
+    Each rank reads its data-parallel share of the rows (``LOCAL_BATCH`` rows
+    per dp rank); inputs are annotated, then forward, loss and backward.
 
     Mirrors ``Trainer.train_step`` / ``post_dataloading_process`` and runs
     torchtitan's own ``Trainer._forward_backward_body`` (forward and loss in
@@ -521,7 +618,7 @@ def train_step(b: Built, env: str) -> torch.Tensor:
     cfg, pd = b.config, b.parallel_dims
     vocab = cfg.model_spec.model.vocab_size
     with _outside_local_mode():  # one plain global batch, not one per simulated rank
-        tokens, labels, positions = global_batch(vocab, pd.dp_replicate * pd.dp_shard * LOCAL_BATCH)
+        tokens, labels, positions = global_batch(vocab, global_rows)
     rows = _dp_rows(b) if pd.world_size > 1 else (lambda r: slice(None))
     inputs, labels = _per_rank(tokens, rows, env), _per_rank(labels, rows, env)
     positions = positions[rows(0)].clone()  # the same on every rank: one plain tensor
@@ -545,11 +642,20 @@ def train_step(b: Built, env: str) -> torch.Tensor:
 
 @dataclass
 class Step:
-    """One training step's loss and parameter gradients, each as ``{rank: tensor}`` (rank 0 only on "fake")."""
+    """One training step: loss and parameter gradients, each ``{rank: tensor}`` (rank 0 only on "fake").
+
+    ``loss`` and ``grads`` are each rank's own values. On simulated ranks the
+    ``global_*`` fields hold their one-device meaning as each rank reassembles
+    it from the declared layouts (torchtitan's ``plain_tensor_to_dtensor_state_dict``,
+    then ``full_tensor()``): a loss is P over dp and cp, a gradient is P where
+    its parameter is R (the reduction FSDP would do), S(d) where it is S(d).
+    """
 
     loss: dict[int, torch.Tensor]
     grads: dict[str, dict[int, torch.Tensor]]
-    built: Built = field(repr=False)
+    global_loss: dict[int, torch.Tensor] | None = None
+    global_grads: dict[str, dict[int, torch.Tensor]] | None = None
+    global_weights: dict[str, dict[int, torch.Tensor]] | None = None
 
 
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -558,21 +664,91 @@ def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
 
     with _outside_local_mode(), torch._C.DisableTorchFunctionSubclass():
         if isinstance(t, LocalTensor):
-            return {r: v.detach().clone() for r, v in t._local_tensors.items()}
-        return {0: t.detach().clone()}
+            return {r: v.detach() for r, v in t._local_tensors.items()}
+        return {0: t.detach()}
 
 
-def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], ContextManager] | None = None) -> Step:
+def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], ContextManager] | None = None,
+        one_device: bool = False) -> Step:
     """One training step of case ``c`` on ``c.world`` ranks in ``env`` ("fake" or "local").
 
-    ``mistake`` (one of :data:`MISTAKES`) is entered around building, so the
-    sharding configs torchtitan sets carry the planted change.
+    ``mistake`` (a context manager factory, see :data:`MISTAKES`) is entered
+    around building, so the sharding configs torchtitan sets carry the planted
+    change. ``one_device`` (simulated ranks only) also reassembles weights,
+    gradients and loss into their one-device values (the ``global_*`` fields).
     """
+    if one_device and env != "local":
+        raise ValueError("one_device needs the simulated ranks (env='local')")
     with environment(env, c.world), (mistake() if mistake is not None else contextlib.nullcontext()):
         b = build(c, checking=checking, world=c.world, simulated=env == "local")
-        loss = train_step(b, env)
-        grads = {n: rank_values(p.grad) for n, p in b.model.named_parameters() if p.grad is not None}
-        missing = [n for n, p in b.model.named_parameters() if p.requires_grad and p.grad is None]
+        loss = train_step(b, env, c.dp * LOCAL_BATCH)
+        params = dict(b.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and p.grad is None]
         if missing:
             raise AssertionError(f"{c.name}: parameters without a gradient: {missing}")
-        return Step(rank_values(loss), grads, b)
+        step = Step(rank_values(loss), {n: rank_values(p.grad) for n, p in params.items()})
+        if one_device:
+            layouts = state_layouts(b.model)
+            step.global_weights = reassemble(b, {n: p.detach() for n, p in params.items()}, layouts)
+            step.global_grads = reassemble(b, {n: p.grad for n, p in params.items()},
+                                           {n: gradient_layout(layouts[n]) for n in params})
+            step.global_loss = reassemble(b, {"loss": loss.detach()}, {"loss": loss_layout()})["loss"]
+        return step
+
+
+def run_one_device(c: Case, weights: dict[str, torch.Tensor]) -> Step:
+    """The same model on one device (world 1, checking off), from ``weights`` (one global tensor per parameter)."""
+    with environment("fake", 1):
+        b = build(c, checking=False, world=1)
+        with torch.no_grad():
+            for name, p in b.model.named_parameters():
+                p.copy_(weights[name])
+        loss = train_step(b, "fake", c.dp * LOCAL_BATCH)
+        return Step(rank_values(loss), {n: rank_values(p.grad) for n, p in b.model.named_parameters()})
+
+
+def state_layouts(model: torch.nn.Module) -> dict[str, Any]:
+    """``{parameter or buffer FQN: SpmdLayout}`` from every module's ``sharding_config.state_shardings``."""
+    layouts = {}
+    for prefix, module in model.named_modules():
+        sharding = getattr(module, "_sharding_config", None)
+        if sharding is not None:
+            for name, layout in sharding.state_shardings.items():
+                layouts[f"{prefix}.{name}" if prefix else name] = layout
+    return layouts
+
+
+def gradient_layout(layout: Any) -> Any:
+    """The layout of a parameter's gradient: P where the parameter is R, the same type elsewhere."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import SpmdLayout
+
+    return SpmdLayout({a: spmd.P if t == spmd.R else t for a, t in layout.axis_types.items()}, layout.partition_spec)
+
+
+def loss_layout() -> Any:
+    """The loss's layout, as torchtitan's loss asserts it: P over dp and cp, I over tp."""
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
+
+    return SpmdLayout({MeshAxisName.DP: spmd.P, MeshAxisName.CP: spmd.P, MeshAxisName.TP: spmd.I})
+
+
+def reassemble(b: Built, values: dict[str, torch.Tensor], layouts: dict[str, Any]) -> dict[str, dict[int, torch.Tensor]]:
+    """``{name: {rank: global tensor}}``: each simulated rank's reassembly of ``values`` by ``layouts``."""
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed.spmd_types import plain_tensor_to_dtensor_state_dict
+
+    as_dtensors = plain_tensor_to_dtensor_state_dict(values, state_dict_layouts=layouts, parallel_dims=b.parallel_dims)
+    return {n: rank_values(v.full_tensor() if isinstance(v, DTensor) else v) for n, v in as_dtensors.items()}
+
+
+def max_abs_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor] | torch.Tensor) -> float:
+    """Largest |a - b| over ranks (``b`` one tensor: compared with every rank of ``a``)."""
+    worst = 0.0
+    for r, value in a.items():
+        other = b if isinstance(b, torch.Tensor) else b[r]
+        if value.shape != other.shape:
+            raise AssertionError(f"rank {r}: shape {tuple(value.shape)} vs {tuple(other.shape)}")
+        worst = max(worst, float((value.double() - other.double()).abs().max()) if value.numel() else 0.0)
+    return worst
