@@ -31,199 +31,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
-import math
-import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
-
-MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")
+from _torchtitan_shims import load, outside_local_mode, simulated_ranks
 
 # Tiny problem: seq divisible by tp (sequence parallelism) and by the loss
 # wrapper's 8 chunks; two documents per row so the document mask matters.
 SEQ_LEN = 16
 LOCAL_BATCH = 2
 SEED = 1234
-
-
-# ---------------------------------------------------------------------------
-# Import: stub what torchtitan imports at module level but never runs here
-
-
-class _Unavailable:
-    """Stands in for a class of a module that is stubbed in these tests."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"{type(self).__name__}: this dependency is stubbed in the torchtitan tests")
-
-
-class _TritonStub:
-    """``triton.jit`` and ``triton.language`` attributes: decorating works, launching raises."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return _NoKernel(args[0])
-        return _TritonStub()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _TritonStub()
-
-
-class _NoKernel:
-    """A ``@triton.jit`` kernel: it may be defined, never launched (no GPU here)."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __getitem__(self, grid: Any) -> Callable:
-        raise RuntimeError(f"triton kernel {self.fn.__name__} cannot run: triton is stubbed (CPU tests)")
-
-
-def _module_getattr(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return _TritonStub()
-
-
-def _stub_modules() -> dict[str, types.ModuleType]:
-    """tokenizers, datasets (HF), tensorboard (through torch's wrapper) and triton."""
-    def mod(name: str, **attrs: Any) -> types.ModuleType:
-        m = types.ModuleType(name)
-        m.__dict__.update(attrs)
-        return m
-
-    datasets = mod("datasets", Dataset=_Unavailable, load_dataset=_Unavailable, __path__=[])
-    triton_language = mod("triton.language")
-    triton_language.__getattr__ = _module_getattr  # type: ignore[attr-defined]
-    triton = mod("triton", language=triton_language, jit=_TritonStub(), __version__="0.0", __path__=[])
-    triton.__getattr__ = _module_getattr  # type: ignore[attr-defined]
-    return {
-        "tokenizers": mod("tokenizers", AddedToken=_Unavailable, Tokenizer=_Unavailable),
-        "datasets": datasets,
-        "datasets.distributed": mod("datasets.distributed", split_dataset_by_node=_Unavailable),
-        "torch.utils.tensorboard": mod("torch.utils.tensorboard", SummaryWriter=_Unavailable),
-        "triton": triton,
-        "triton.language": triton_language,
-    }
-
-
-@contextlib.contextmanager
-def _stubbed() -> Iterator[None]:
-    """Put the stubs in ``sys.modules`` for the import only, then take them out again."""
-    # torch asks "is triton installed?" once and caches the answer; ask before
-    # the stub is visible so torch never takes the stub for a real triton.
-    import torch._dynamo  # noqa: F401
-    import torch._functorch.aot_autograd  # noqa: F401
-    import torch._inductor.runtime.triton_compat  # noqa: F401
-    import torch.distributed.pipelining  # noqa: F401
-    import torch.utils._triton as torch_triton
-
-    torch_triton.has_triton_package()
-    added = {k: v for k, v in _stub_modules().items() if k not in sys.modules}
-    sys.modules.update(added)
-    try:
-        yield
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-
-
-_LOADED: dict[str, Any] = {}
-
-
-def load() -> Any:
-    """Import torchtitan (trainer + the four model packages) and install the CPU shims; returns ``torchtitan``.
-
-    The shims, each needed on this CPU machine with torch 2.13:
-
-    * ``device_type`` is ``"cpu"`` (torchtitan picks ``"cuda"`` when no
-      accelerator is found and would build CUDA device meshes);
-    * FlexAttention runs as dense math (:func:`cpu_flex_attention`): torch's
-      flex attention has no backward on CPU, and torchtitan compiles it;
-    * the block mask is made eagerly (torchtitan compiles ``create_block_mask``);
-    * the experts' grouped matmul runs in float32 (:func:`cpu_grouped_mm`);
-    * ``fully_shard`` is not applied (:func:`skip_fsdp`): torch 2.13's FSDP
-      rejects plain parameters that carry spmd types when ``dp_mesh_dims`` is
-      given; the reduction FSDP would do is done when gradients are reassembled.
-    """
-    if "torchtitan" in _LOADED:
-        return _LOADED["torchtitan"]
-    with _stubbed():
-        import torchtitan.trainer  # noqa: F401
-
-        for name in MODEL_PACKAGES:
-            importlib.import_module(f"torchtitan.models.{name}")
-            importlib.import_module(f"torchtitan.models.{name}.config_registry")
-    _install_cpu_shims()
-    import torchtitan
-
-    _LOADED["torchtitan"] = torchtitan
-    return torchtitan
-
-
-def _install_cpu_shims() -> None:
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.distributed.utils as dist_utils
-    import torchtitan.models.common.attention as attention
-    import torchtitan.models.common.moe as moe
-    import torchtitan.tools.utils as tools_utils
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    for module in (tools_utils, parallel_dims, dist_utils):
-        module.device_type = "cpu"
-    attention.FlexAttention._compiled_flex_attn = staticmethod(cpu_flex_attention)
-    attention._compiled_create_block_mask = create_block_mask
-    moe.GroupedExperts._grouped_mm = cpu_grouped_mm
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan.models.") and getattr(module, "apply_fsdp_to_decoder", None) is apply_fsdp_to_decoder:
-            module.apply_fsdp_to_decoder = skip_fsdp
-    # torchtitan's init_distributed does this: autograd on one thread keeps the
-    # thread-local current mesh visible in backward.
-    torch.autograd.set_multithreading_enabled(False)
-
-
-def cpu_grouped_mm(self: Any, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``GroupedExperts._grouped_mm`` in float32: CPU ``_grouped_mm`` in bfloat16 wants 16-byte strides, and
-    gpt_oss would add its bfloat16 expert output to the float32 activations FSDP's bf16 policy does not cast here."""
-    return torch._grouped_mm(A.float(), B_t.float(), offs=offs)
-
-
-def skip_fsdp(model: torch.nn.Module, dp_mesh: Any, **kwargs: Any) -> None:
-    """Stands for ``apply_fsdp_to_decoder``: records that FSDP was left out (see :func:`load`)."""
-    model._fsdp_skipped_mesh = dp_mesh  # type: ignore[attr-defined]
-
-
-def _outside_local_mode() -> ContextManager:
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
-    return maybe_disable_local_tensor_mode()
-
-
-def cpu_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                       return_aux=None, kernel_options=None):
-    """``flex_attention`` as dense math on CPU: softmax(q k^T * scale, masked by the block mask's mask_mod) v."""
-    from torch.nn.attention.flex_attention import AuxOutput, create_mask
-
-    if score_mod is not None:
-        raise NotImplementedError("cpu_flex_attention: score_mod is not used by the models under test")
-    batch, heads, q_len, head_dim = q.shape
-    with _outside_local_mode():  # the mask is the same on every rank: one plain tensor
-        mask = create_mask(block_mask.mask_mod, block_mask.shape[0], 1, q_len, k.shape[2], device="cpu")
-    if enable_gqa and k.shape[1] != heads:
-        k = k.repeat_interleave(heads // k.shape[1], dim=1)
-        v = v.repeat_interleave(heads // v.shape[1], dim=1)
-    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(head_dim))
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1) @ v
-    want_lse = return_aux is not None and return_aux.lse
-    return out, AuxOutput(lse=lse if want_lse else None)
 
 
 # ---------------------------------------------------------------------------
@@ -368,7 +187,7 @@ def build(c: Case, *, checking: bool, world: int, simulated: bool = False) -> Bu
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
     spec = cfg.model_spec
     spec.model.update_from_config(config=cfg)
-    with _outside_local_mode():
+    with outside_local_mode():
         torch.manual_seed(SEED)
         with torch.device("cpu"):
             model = spec.model.build()
@@ -414,7 +233,7 @@ def _hand_to_every_rank(model: torch.nn.Module) -> None:
 def _same_on_ranks(value: torch.Tensor) -> torch.Tensor:
     from torch.distributed._local_tensor import local_tensor_mode, rank_map
 
-    with _outside_local_mode():  # a plain op under the mode makes one value per rank of each rank's value
+    with outside_local_mode():  # a plain op under the mode makes one value per rank of each rank's value
         copies = {r: value.clone() for r in local_tensor_mode().ranks}
     return rank_map(copies.__getitem__)
 
@@ -440,134 +259,12 @@ def environment(env: str, world: int) -> Iterator[None]:
     try:
         with contextlib.ExitStack() as stack:
             if env == "local":
-                from torch.distributed._local_tensor import LocalTensorMode
-
-                _register_simulator_functions()
-                stack.enter_context(_ranks_read_per_rank())
-                stack.enter_context(LocalTensorMode(world))
+                stack.enter_context(simulated_ranks(world))
             yield
     finally:
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _SimulatedDist(types.ModuleType):
-    """``torch.distributed`` as one simulated rank's code sees it: ``get_rank`` answers per rank.
-
-    Under ``LocalTensorMode`` every simulated rank runs in this one process,
-    whose fake process group says rank 0; ``get_rank(group)`` here returns a
-    per-rank int (each rank's index in its group, as torch's simulator lays
-    groups out), so code that slices by its rank slices right on every rank.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("torch.distributed")
-
-    def __getattr__(self, name: str) -> Any:
-        import torch.distributed as dist
-
-        return getattr(dist, name)
-
-    @staticmethod
-    def get_rank(group: Any = None) -> Any:
-        import torch.distributed as dist
-        from torch.distributed._local_tensor import LocalIntNode, local_tensor_mode
-        from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-        mode = local_tensor_mode()
-        if mode is None:
-            return dist.get_rank(group)
-        if group is None:
-            return torch.SymInt(LocalIntNode({r: r for r in mode.ranks}))
-        ranks, group_offsets, _ = _prepare_collective_groups(group)
-        index = {offset + r: i for offset in group_offsets for i, r in enumerate(ranks)}
-        return torch.SymInt(LocalIntNode({r: index[r] for r in mode.ranks}))
-
-
-def _per_rank(op: Callable[..., int]) -> Callable[..., Any]:
-    """``op`` (``min`` or ``max`` of ints) taken on each simulated rank when an argument is a per-rank int."""
-    def on_each_rank(*args: Any) -> Any:
-        from torch.distributed._local_tensor import LocalIntNode, _int_on_rank, local_tensor_mode
-
-        mode = local_tensor_mode()
-        if mode is None or not any(isinstance(a, torch.SymInt) for a in args):
-            return op(*args)
-        nodes = [a.node if isinstance(a, torch.SymInt) else a for a in args]
-        return torch.SymInt(LocalIntNode({r: op(_int_on_rank(n, r) for n in nodes) for r in mode.ranks}))
-
-    return on_each_rank
-
-
-# torchtitan's modules that read their rank with ``dist.get_rank(group)`` on the step's path: the
-# vocab-parallel Embedding (vocab offset) and the loss-parallel cross entropy (vocab bounds, with
-# ``min``/``max`` of the rank-dependent ints, which must be taken rank by rank)
-_READS_RANK = {
-    "torchtitan.models.common.embedding": {"dist": _SimulatedDist()},
-    "torchtitan.components.loss": {"dist": _SimulatedDist(), "min": _per_rank(min), "max": _per_rank(max)},
-}
-
-
-@contextlib.contextmanager
-def _ranks_read_per_rank() -> Iterator[None]:
-    """For the simulated ranks, the modules in :data:`_READS_RANK` see their own rank on each rank."""
-    saved: list[tuple[Any, str, Any]] = []
-    for name, names in _READS_RANK.items():
-        module = importlib.import_module(name)
-        for attr, value in names.items():
-            saved.append((module, attr, module.__dict__.get(attr, _ABSENT)))
-            setattr(module, attr, value)
-    try:
-        yield
-    finally:
-        for module, attr, value in saved:
-            if value is _ABSENT:
-                delattr(module, attr)
-            else:
-                setattr(module, attr, value)
-
-
-_ABSENT = object()
-
-
-def _register_simulator_functions() -> None:
-    """Keep the simulator's own bookkeeping out of the checker's way.
-
-    ``LocalTensor.contiguous`` runs the autograd Function ``_LocalContiguous``,
-    which keeps its input's type (torchtitan calls ``.contiguous()`` on typed
-    activations, e.g. when splitting fused QKV): register it so. And
-    ``LocalTensor.tolist`` (the MoE split sizes) compares and converts the
-    ranks' plain, untyped values: that work is not the program's, so it runs
-    unchecked (a Python method of the subclass, it never reaches the checker as
-    one ``tolist`` call anyway). And a per-rank int (``LocalIntNode``: the MoE
-    token exchange makes tensors whose length differs per rank) holds concrete
-    values, so it has a hint; torch 2.13 lacks ``has_hint`` and indexing such a
-    tensor fails without it.
-    """
-    import spmd_types as spmd
-    from spmd_types.runtime import get_partition_spec
-    from torch.distributed._local_tensor import LocalIntNode, LocalTensor, _LocalContiguous
-
-    if getattr(_LocalContiguous, "typecheck_forward", None) is not None:
-        return
-    if not hasattr(LocalIntNode, "has_hint"):
-        LocalIntNode.has_hint = lambda self: True
-    tolist = LocalTensor.tolist
-
-    def unchecked_tolist(self: Any) -> list[Any]:
-        with spmd.no_typecheck():
-            return tolist(self)
-
-    LocalTensor.tolist = unchecked_tolist
-
-    def typecheck_forward(x: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-        with spmd.no_typecheck():
-            out = _LocalContiguous.apply(x, memory_format)
-        spmd.assert_type(out, dict(spmd.get_local_type(x)), get_partition_spec(x))
-        return out
-
-    _LocalContiguous.typecheck_forward = staticmethod(typecheck_forward)
-    spmd.register_autograd_function(_LocalContiguous)
 
 
 def global_batch(vocab: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -595,7 +292,7 @@ def _per_rank(global_tensor: torch.Tensor, rows: Callable[[int], slice], env: st
         return global_tensor[rows(0)].clone()
     from torch.distributed._local_tensor import local_tensor_mode, rank_map
 
-    with _outside_local_mode():
+    with outside_local_mode():
         values = {r: global_tensor[rows(r)].clone() for r in local_tensor_mode().ranks}
     return rank_map(values.__getitem__)
 
@@ -617,12 +314,12 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
 
     cfg, pd = b.config, b.parallel_dims
     vocab = cfg.model_spec.model.vocab_size
-    with _outside_local_mode():  # one plain global batch, not one per simulated rank
+    with outside_local_mode():  # one plain global batch, not one per simulated rank
         tokens, labels, positions = global_batch(vocab, global_rows)
     rows = _dp_rows(b) if pd.world_size > 1 else (lambda r: slice(None))
     inputs, labels = _per_rank(tokens, rows, env), _per_rank(labels, rows, env)
     positions = positions[rows(0)].clone()  # the same on every rank: one plain tensor
-    with _outside_local_mode():
+    with outside_local_mode():
         masks = b.model.get_attention_masks(positions=positions)
     extra = {"positions": positions, "attention_masks": masks}
     local_valid = (labels != IGNORE_INDEX).sum()
@@ -662,7 +359,7 @@ def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """``{rank: plain tensor}``: every simulated rank's value of a LocalTensor, or rank 0's of a plain one."""
     from torch.distributed._local_tensor import LocalTensor
 
-    with _outside_local_mode(), torch._C.DisableTorchFunctionSubclass():
+    with outside_local_mode(), torch._C.DisableTorchFunctionSubclass():
         if isinstance(t, LocalTensor):
             return {r: v.detach() for r, v in t._local_tensors.items()}
         return {0: t.detach()}
@@ -720,16 +417,18 @@ def state_layouts(model: torch.nn.Module) -> dict[str, Any]:
 
 def gradient_layout(layout: Any) -> Any:
     """The layout of a parameter's gradient: P where the parameter is R, the same type elsewhere."""
-    import spmd_types as spmd
     from torchtitan.distributed.parallel_dims import SpmdLayout
+
+    import spmd_types as spmd
 
     return SpmdLayout({a: spmd.P if t == spmd.R else t for a, t in layout.axis_types.items()}, layout.partition_spec)
 
 
 def loss_layout() -> Any:
     """The loss's layout, as torchtitan's loss asserts it: P over dp and cp, I over tp."""
-    import spmd_types as spmd
     from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
+
+    import spmd_types as spmd
 
     return SpmdLayout({MeshAxisName.DP: spmd.P, MeshAxisName.CP: spmd.P, MeshAxisName.TP: spmd.I})
 
@@ -752,3 +451,175 @@ def max_abs_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor] | torch.
             raise AssertionError(f"rank {r}: shape {tuple(value.shape)} vs {tuple(other.shape)}")
         worst = max(worst, float((value.double() - other.double()).abs().max()) if value.numel() else 0.0)
     return worst
+
+
+# ---------------------------------------------------------------------------
+# Planted sharding-config mistakes: one-line changes to torchtitan's configs, by monkeypatching
+
+
+@contextlib.contextmanager
+def _patched(module_name: str, attr: str, replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """``module.attr = replacement(original)`` inside the block."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, attr)
+    setattr(module, attr, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(module, attr, original)
+
+
+def _layout(**types_by_axis: Any) -> Any:
+    from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
+
+    return SpmdLayout({MeshAxisName(a): t for a, t in types_by_axis.items()})
+
+
+def norm_weight_invariant_under_sp() -> ContextManager:
+    """``norm_config``: the norm weight is ``I`` on tp under sequence parallelism (it must be ``R``:
+    its gradient is partial over the sequence shards)."""
+    import spmd_types as spmd
+
+    def replace(original: Callable) -> Callable:
+        def norm_config(*, enable_sp: bool) -> Any:
+            cfg = original(enable_sp=enable_sp)
+            cfg.state_shardings["weight"] = _layout(dp=spmd.R, cp=spmd.R, tp=spmd.I)
+            return cfg
+        return norm_config
+
+    return _patched("torchtitan.models.llama3.sharding", "norm_config", replace)
+
+
+def rowwise_output_invariant() -> ContextManager:
+    """``rowwise_config``: a row-parallel linear's output declared ``I`` on tp instead of ``P``."""
+    import spmd_types as spmd
+
+    def replace(original: Callable) -> Callable:
+        def rowwise_config(*, output_sp: bool = False) -> Any:
+            cfg = original(output_sp=output_sp)
+            cfg.out_src_shardings = _layout(dp=spmd.S(0), cp=spmd.S(1), tp=spmd.I)
+            return cfg
+        return rowwise_config
+
+    return _patched("torchtitan.models.common.decoder_sharding", "rowwise_config", replace)
+
+
+def embedding_output_replicated() -> ContextManager:
+    """``set_decoder_sharding_config``: the vocab-parallel embedding's output claimed ``R`` on tp
+    (each rank holds only its vocab shard's rows: it is ``P``)."""
+    import spmd_types as spmd
+
+    def replace(original: Callable) -> Callable:
+        def set_decoder_sharding_config(config: Any, *, enable_sp: bool) -> None:
+            original(config, enable_sp=enable_sp)
+            config.tok_embeddings.sharding_config.out_src_shardings = _layout(dp=spmd.S(0), cp=spmd.S(1), tp=spmd.R)
+        return set_decoder_sharding_config
+
+    return _patched("torchtitan.models.llama3.sharding", "set_decoder_sharding_config", replace)
+
+
+def ffn_skips_all_gather() -> ContextManager:
+    """``set_dense_ffn_sharding``: the FFN keeps its sequence-sharded input (no all-gather to ``R``)."""
+    def replace(original: Callable) -> Callable:
+        def set_dense_ffn_sharding(feed_forward_cfg: Any, *, attn_x_layout: Any, enable_sp: bool) -> None:
+            original(feed_forward_cfg, attn_x_layout=attn_x_layout, enable_sp=enable_sp)
+            feed_forward_cfg.sharding_config.in_dst_shardings = {"x": attn_x_layout}
+        return set_dense_ffn_sharding
+
+    return _patched("torchtitan.models.llama3.sharding", "set_dense_ffn_sharding", replace)
+
+
+def tokens_per_expert_replicated() -> ContextManager:
+    """``_tokens_per_expert_placement``: the per-expert token counts claimed ``R`` (each rank counts its
+    own tokens: they are ``P``)."""
+    import spmd_types as spmd
+
+    def replace(original: Callable) -> Callable:
+        def _tokens_per_expert_placement(*, enable_ep: bool) -> Any:
+            return _layout(dp=spmd.R, cp=spmd.R, tp=spmd.R)
+        return _tokens_per_expert_placement
+
+    return _patched("torchtitan.models.common.moe_sharding", "_tokens_per_expert_placement", replace)
+
+
+def lm_head_logits_replicated() -> ContextManager:
+    """``set_decoder_sharding_config``: the lm_head's logits claimed ``R`` on tp (the lm_head is
+    column-parallel over the vocabulary: they are ``S(-1)``)."""
+    import spmd_types as spmd
+
+    def replace(original: Callable) -> Callable:
+        def set_decoder_sharding_config(config: Any, *, enable_sp: bool) -> None:
+            original(config, enable_sp=enable_sp)
+            replicated = _layout(dp=spmd.S(0), cp=spmd.S(1), tp=spmd.R)
+            config.lm_head.sharding_config.out_src_shardings = replicated
+            config.lm_head.sharding_config.out_dst_shardings = replicated
+        return set_decoder_sharding_config
+
+    return _patched("torchtitan.models.llama3.sharding", "set_decoder_sharding_config", replace)
+
+
+@dataclass(frozen=True)
+class Mistake:
+    """A planted mistake, the case it is planted in, and the torchtitan lines its error points at.
+
+    ``lines`` (``path inside torchtitan:line``, torchtitan 0.3.0) are the
+    model-code line where the mistake surfaces and the innermost torchtitan
+    line of the error, as the peer's ``SpmdTypeError`` traceback has them.
+    """
+
+    name: str
+    plant: Callable[[], ContextManager]
+    case: str
+    lines: tuple[str, ...]
+
+
+_SP = "llama3 dp4 x tp2 (SP)"
+MISTAKES: tuple[Mistake, ...] = (
+    # attention_norm(x): RMSNorm of the V (sequence-sharded) activation with an I weight
+    Mistake("norm weight I under SP", norm_weight_invariant_under_sp, _SP,
+            ("models/llama3/model.py:48", "protocols/module.py:291")),
+    # wo's output checked against out_src_shardings (spmd.assert_type in _redistribute_outputs)
+    Mistake("row-wise output declared I, not P", rowwise_output_invariant, _SP,
+            ("models/common/attention.py:1010", "protocols/module.py:665")),
+    # tok_embeddings(tokens): the local_map region's output checked against its declared type
+    Mistake("embedding output claimed replicated", embedding_output_replicated, _SP,
+            ("models/common/decoder.py:235", "protocols/module.py:291")),
+    # self.w1(x) on the sequence-sharded x: no sharding strategy for the column-parallel linear
+    Mistake("FFN skips its all-gather", ffn_skips_all_gather, _SP,
+            ("models/common/feed_forward.py:54", "protocols/module.py:291")),
+    # tokens_per_expert_E.add_(counts): the R-declared buffer takes P counts
+    Mistake("tokens-per-expert counts claimed replicated", tokens_per_expert_replicated, "qwen3-MoE tp2 x ep2",
+            ("models/common/moe.py:446",)),
+    # logits = lm_head(h_chunk): the vocab-sharded logits checked against out_src_shardings
+    Mistake("lm_head logits claimed replicated", lm_head_logits_replicated, _SP,
+            ("components/loss.py:748", "protocols/module.py:665")),
+)
+
+
+def mistake(name: str) -> Mistake:
+    """The planted mistake called ``name`` (see :data:`MISTAKES`)."""
+    for m in MISTAKES:
+        if m.name == name:
+            return m
+    raise KeyError(f"no mistake {name!r}; mistakes: {[m.name for m in MISTAKES]}")
+
+
+def torchtitan_frames(exc: BaseException) -> list[str]:
+    """The torchtitan source lines in ``exc``'s traceback, outermost first, as ``models/common/x.py:123``."""
+    import traceback
+
+    marker = "/torchtitan/"
+    return [f"{f.filename.split(marker, 1)[1]}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)
+            if marker in f.filename]
+
+
+def plant(m: Mistake) -> BaseException:
+    """Run the mistake's case on the fake group with checking on; returns the exception it raised.
+
+    Raises ``AssertionError`` if the step ran through.
+    """
+    try:
+        run(case(m.case), "fake", mistake=m.plant)
+    except Exception as exc:  # the caller checks the kind: this returns whatever was raised
+        return exc
+    raise AssertionError(f"planted mistake {m.name!r} ran through: no error")
