@@ -158,9 +158,6 @@ def _install_cpu_shims() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("torchtitan.models.") and getattr(module, "apply_fsdp_to_decoder", None) is apply_fsdp_to_decoder:
             module.apply_fsdp_to_decoder = skip_fsdp
-    # torchtitan's init_distributed does this: autograd on one thread keeps the
-    # thread-local current mesh visible in backward.
-    torch.autograd.set_multithreading_enabled(False)
 
 
 def cpu_grouped_mm(self: Any, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -284,47 +281,53 @@ def simulated_ranks(world: int) -> Iterator[None]:
     """Every one of ``world`` ranks run in this process (``LocalTensorMode``), with the shims it needs."""
     from torch.distributed._local_tensor import LocalTensorMode
 
-    _register_simulator_functions()
-    with _ranks_read_per_rank(), LocalTensorMode(world):
+    with _ranks_read_per_rank(), _simulator_kept_out_of_the_checker(), LocalTensorMode(world):
         yield
 
 
-def _register_simulator_functions() -> None:
-    """Keep the simulator's own bookkeeping out of the checker's way.
+@contextlib.contextmanager
+def _simulator_kept_out_of_the_checker() -> Iterator[None]:
+    """Keep the simulator's own bookkeeping out of the checker's way (undone on exit).
 
-    ``LocalTensor.contiguous`` runs the autograd Function ``_LocalContiguous``,
-    which keeps its input's type (torchtitan calls ``.contiguous()`` on typed
-    activations, e.g. when splitting fused QKV): register it so. And
-    ``LocalTensor.tolist`` (the MoE split sizes) compares and converts the
-    ranks' plain, untyped values: that work is not the program's, so it runs
+    ``LocalTensor.contiguous`` runs torch's autograd Function ``_LocalContiguous``,
+    which the checker does not know; the copy keeps its input's type
+    (torchtitan calls ``.contiguous()`` on typed activations, e.g. when
+    splitting fused QKV), so it runs unchecked and the result gets the input's
+    type. ``LocalTensor.tolist`` (the MoE split sizes) compares and converts
+    the ranks' plain, untyped values: not the program's work, so it runs
     unchecked (a Python method of the subclass, it never reaches the checker as
     one ``tolist`` call anyway). And a per-rank int (``LocalIntNode``: the MoE
     token exchange makes tensors whose length differs per rank) holds concrete
     values, so it has a hint; torch 2.13 lacks ``has_hint`` and indexing such a
     tensor fails without it.
     """
-    from spmd_types.runtime import get_partition_spec
-    from torch.distributed._local_tensor import LocalIntNode, LocalTensor, _LocalContiguous
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensor
 
     import spmd_types as spmd
 
-    if getattr(_LocalContiguous, "typecheck_forward", None) is not None:
-        return
-    if not hasattr(LocalIntNode, "has_hint"):
-        LocalIntNode.has_hint = lambda self: True
-    tolist = LocalTensor.tolist
+    contiguous, tolist = LocalTensor.contiguous, LocalTensor.tolist
+
+    def typed_contiguous(self: Any, memory_format: torch.memory_format = torch.contiguous_format) -> Any:
+        from spmd_types.runtime import get_partition_spec, has_local_type
+
+        checking = spmd.is_type_checking()
+        with spmd.no_typecheck():
+            out = contiguous(self, memory_format)
+        if checking and has_local_type(self):
+            spmd.assert_type(out, dict(spmd.get_local_type(self)), get_partition_spec(self))
+        return out
 
     def unchecked_tolist(self: Any) -> list[Any]:
         with spmd.no_typecheck():
             return tolist(self)
 
-    LocalTensor.tolist = unchecked_tolist
-
-    def typecheck_forward(x: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
-        with spmd.no_typecheck():
-            out = _LocalContiguous.apply(x, memory_format)
-        spmd.assert_type(out, dict(spmd.get_local_type(x)), get_partition_spec(x))
-        return out
-
-    _LocalContiguous.typecheck_forward = staticmethod(typecheck_forward)
-    spmd.register_autograd_function(_LocalContiguous)
+    added_hint = not hasattr(LocalIntNode, "has_hint")
+    LocalTensor.contiguous, LocalTensor.tolist = typed_contiguous, unchecked_tolist
+    if added_hint:
+        LocalIntNode.has_hint = lambda self: True
+    try:
+        yield
+    finally:
+        LocalTensor.contiguous, LocalTensor.tolist = contiguous, tolist
+        if added_hint:
+            del LocalIntNode.has_hint

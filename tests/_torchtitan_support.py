@@ -256,12 +256,17 @@ def environment(env: str, world: int) -> Iterator[None]:
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    threaded = torch.autograd.is_multithreading_enabled()
+    # torchtitan's init_distributed does this: autograd on one thread keeps the
+    # thread-local current mesh visible in backward
+    torch.autograd.set_multithreading_enabled(False)
     try:
         with contextlib.ExitStack() as stack:
             if env == "local":
                 stack.enter_context(simulated_ranks(world))
             yield
     finally:
+        torch.autograd.set_multithreading_enabled(threaded)
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
         if dist.is_initialized():
             dist.destroy_process_group()
