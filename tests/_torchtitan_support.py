@@ -21,9 +21,10 @@ Two environments: ``"fake"`` runs rank 0's program on a fake process group
 ``LocalTensorMode`` (real values), so loss and gradients can be compared with
 checking off and with the same model on one device.
 
-The shims this needs on CPU and torch 2.13 live here and only here
-(:func:`load` lists them); the heavy or CUDA-only modules torchtitan imports at
-module level are stubbed while torchtitan is imported, then removed again.
+The shims this needs on CPU, on torch 2.13 and on simulated ranks live in
+``_torchtitan_shims.py`` and nowhere else (:func:`load` and ``simulated_ranks``
+list them); the heavy or CUDA-only modules torchtitan imports at module level
+are stubbed while torchtitan is imported, then removed again.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from _torchtitan_shims import load, outside_local_mode, simulated_ranks
 
 # Tiny problem: seq divisible by tp (sequence parallelism) and by the loss
-# wrapper's 8 chunks; two documents per row so the document mask matters.
+# wrapper's chunks; two documents per row so the document mask matters.
 SEQ_LEN = 16
 LOCAL_BATCH = 2
 SEED = 1234
