@@ -13,6 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,docs]'
+	# torchtitan's models and trainer for tests/test_torchtitan.py: --no-deps (it pins spmd_types==0.2.3, our
+	# distribution name), plus the small pure-Python modules they import at module level; tokenizers,
+	# datasets, tensorboard and triton are stubbed in tests/_torchtitan_support.py
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 torchdata==0.11.0
 	touch $@
 
 demo: setup
