@@ -334,7 +334,7 @@ def _remembered_types(t: Any) -> TypeMap | Mapping | None:
     record = remembered(t)
     if record is None:
         return None
-    types, spec, mesh = record
+    types, spec, mesh, _ = record
     if mesh is None:
         mesh = current_mesh()
         if mesh is None:

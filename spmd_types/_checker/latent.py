@@ -38,10 +38,19 @@ def remember(t: Any, types: Any, partition_spec: Any) -> Any:
         return t
     if not isinstance(t, torch.Tensor) or getattr(t, "_spmd_types", None) is not None or is_dtensor(t):
         return t  # a DTensor carries its layout in its placements: asserted only under checking
-    t.__dict__[LATENT_ATTR] = (types, partition_spec, current_mesh())
+    t.__dict__[LATENT_ATTR] = (types, partition_spec, current_mesh(), _world())
     key = id(t)
     _PENDING[key] = weakref.ref(t, lambda _: _PENDING.pop(key, None))
     return t
+
+
+def _world() -> Any:
+    """The current default process group (records belong to the world they were made in), or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_group()
 
 
 def remembered(t: Any) -> tuple | None:
@@ -59,7 +68,9 @@ def apply_remembered(assert_type: Any) -> None:
         record = t.__dict__.pop(LATENT_ATTR, None)
         if record is None or getattr(t, "_spmd_types", None) is not None:
             continue
-        types, spec, mesh = record
+        types, spec, mesh, world = record
+        if world is not _world():
+            continue  # given under another process group world (torn down since): it means nothing here
         if mesh is None or mesh is current_mesh():
             assert_type(t, types, spec)
         else:

@@ -267,9 +267,11 @@ def _make_operator(name: str):
 
     def operator(self, other):
         # Inside an op being run (subclass dispatch off), behave as torch's own operator.
-        if not STATE.checking or not _tf_enabled():
+        if not _tf_enabled():
             with _DisableTF():
                 return base(self, other)
+        if not STATE.checking:  # erased: as any op on a typed tensor outside checking (simulated ranks included)
+            return _run(base, (self, other), {})
         if not _grad_enabled() and not _fwd_grad_enabled():
             check_no_unregistered_function()
         return _typed_call(base, (self, other), {})
@@ -328,6 +330,7 @@ def _local_tensor_class() -> type | None:
 
 
 _SWAP_BACK[TypedParameter] = torch.nn.Parameter
+_SWAP_BACK[LTensor] = torch.Tensor  # a plain tensor typed in place under the rank simulator (made outside it)
 _TYPED_CLASSES.update({LTensor, TypedParameter})
 
 
