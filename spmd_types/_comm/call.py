@@ -258,6 +258,8 @@ def check_input(opname: str, x: torch.Tensor, comm: AxisComm, src: SpmdType, dst
     types = _on_current_mesh(opname, x, types)
     for name in comm.names:
         have = types.get(name)
+        if have is None and name not in types.axes():
+            _reject_outside(opname, x, types, comm, src, dst)
         if not compatible(have, src):
             _reject_src(opname, x, types, comm, name, have, src, dst)
     return types
@@ -280,6 +282,23 @@ def _on_current_mesh(opname: str, x: torch.Tensor, types: TypeMap) -> TypeMap:
             user_source_line(),
         )
     return found[0]
+
+
+def _reject_outside(opname: str, x: torch.Tensor, types: TypeMap, comm: AxisComm, src: SpmdType,
+                    dst: SpmdType) -> None:
+    """A typed input to a collective over a group that is no axis of the current mesh: its type says nothing there."""
+    mesh = current_mesh()
+    shown = ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes) if mesh is not None else "none"
+    raise SpmdTypeError(
+        Rejection(
+            f"{opname} runs over a process group (ranks {region_of_group(comm.group).layout()}) that is not an axis "
+            "of the current mesh, nor a flattening of its axes, so the input's type says nothing about it.",
+            [("op", _call_text(opname, comm, src, dst)), ("input", format_tensor_type(x, types)),
+             ("current mesh", shown)],
+            ["run it over an axis of the current mesh (its name or its group), or over a group of several of them"],
+        ),
+        user_source_line(),
+    )
 
 
 def _call_text(opname: str, comm: AxisComm, src: SpmdType, dst: SpmdType) -> str:

@@ -49,6 +49,8 @@ def _atoms_of_ranks(zero_based: Sequence[int]) -> Atoms | None:
         size = 1
         while all(c + size * stride in wanted for c in covered):
             size += 1
+        if size == 1:  # the next rank does not extend every covered rank: no mixed-radix layout
+            return None
         atoms.append((size, stride))
         covered = [c + j * stride for j in range(size) for c in covered]
         if len(set(covered)) != len(covered) or not set(covered) <= wanted:
@@ -208,7 +210,10 @@ def name_region(region: MeshAxis, name: str) -> None:
 
 def region_of_group(group: Any) -> MeshAxis:
     """The region a ProcessGroup runs over (cached per group); an object with ``__mesh_axis__()`` gives its own."""
-    found = _GROUP_REGIONS.get(group)
+    try:
+        found = _GROUP_REGIONS.get(group)
+    except TypeError:  # not weak-referenceable: not a group, nor cached
+        found = None
     if found is not None:
         return found
     own = getattr(group, "__mesh_axis__", None)
