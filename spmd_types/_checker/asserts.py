@@ -13,8 +13,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
-from .._core.errors import Rejection, op_error
+from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import Axis, current_mesh, resolve_axes
+from .._core.spaces import move_spec, move_types
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import P, PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
@@ -205,10 +206,12 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         return interop().assert_dtensor(t, types, partition_spec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor (or a list or tuple of tensors) or an nn.Module, got {type(t).__name__}")
-    if getattr(t, "_spmd_types", None) is not None:
-        return _refine(t, types, partition_spec)  # type: ignore[return-value]
-    want, spec = _placed(t, types, partition_spec)
-    return _type_or_check(t, want, spec)  # type: ignore[return-value]
+    old = getattr(t, "_spmd_types", None)
+    if old is not None:
+        out = _refine(t, types, partition_spec)
+    else:
+        out = _type_or_check(t, *_placed(t, types, partition_spec))
+    return out  # type: ignore[return-value]
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -216,10 +219,13 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
 
     Asserting ``S(d)`` on a V axis refines it: the tensor's type becomes
     ``S(d)`` (same object; in global SPMD the partition spec gains the axis).
+    A tensor typed on another presentation of the ranks is first presented on
+    the current mesh (compared by regions of ranks, never by names).
     """
     full, spec = _placed(t, types, partition_spec)
-    named = set(_resolve_types(types, "assert_type")) | (axes_of(spec) if spec is not None else set())
-    have: TypeMap = t._spmd_types  # type: ignore[attr-defined]
+    given = _resolve_types(types, "assert_type")
+    named = set(given) | (axes_of(spec) if spec is not None else set())
+    have = _rehome(t, "assert_type")
     shown = have
     for axis in named:
         shown = shown.replace(axis, full[axis])
@@ -240,6 +246,51 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
     return t
 
 
+def _present(t: torch.Tensor, who: str, *, strict: bool = True) -> tuple[TypeMap, list | None]:
+    """``t``'s type presented on the current mesh, with the groups that moved (None when nothing moved).
+
+    A tensor typed on another presentation of the same ranks (a flattened or an
+    expert mesh) moves by ``_core/spaces.py``'s rule; one that cannot move is an
+    error (``strict``) or stays as it is.
+    """
+    types: TypeMap = t._spmd_types  # type: ignore[attr-defined]
+    mesh = current_mesh()
+    if mesh is None or types.space is None or types.space is mesh.space:
+        return types, None
+    found = move_types(types, mesh.space)
+    if isinstance(found, str):
+        if not strict:
+            return types, None
+        raise SpmdTypeError(
+            Rejection(
+                f"{who}: the tensor is typed on another mesh, and its type cannot move onto the current one: {found}.",
+                [("tensor", types.format()),
+                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
+                ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks, or type it under this mesh"],
+            ),
+            user_source_line(),
+        )
+    return found
+
+
+def _rehome(t: torch.Tensor, who: str) -> TypeMap:
+    """Store ``t``'s type (and partition spec) as presented on the current mesh, in place; return the type."""
+    types, groups = _present(t, who)
+    if groups is not None:
+        spec = getattr(t, "_spmd_spec", None)
+        if spec is not None:
+            moved = move_spec(spec, groups)
+            if isinstance(moved, str):
+                raise SpmdTypeError(
+                    Rejection(f"{who}: the tensor's partition spec cannot move onto the current mesh: {moved}.",
+                              [("spec", str(spec))], ["gather the dim first, or shard it on the whole group in order"]),
+                    user_source_line(),
+                )
+            t._spmd_spec = moved  # type: ignore[attr-defined]
+        t._spmd_types = types  # type: ignore[attr-defined]
+    return types
+
+
 def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:
     """Give ``t``'s partition spec the newly refined ``axes`` where ``spec`` places them."""
     have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
@@ -258,7 +309,7 @@ def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None) -> torch.T
         if spec is not None:
             out._spmd_spec = spec
         return out
-    _check(have, want)
+    _check(_rehome(t, "assert_type"), want)
     if STATE.global_mode and spec is not None:
         _check_spec(t, spec)
     return t
@@ -304,9 +355,9 @@ def get_local_type(t: Any) -> dict[str, SpmdType]:
 
         out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
     """
-    types = getattr(t, "_spmd_types", None)
-    if types is None:
+    if getattr(t, "_spmd_types", None) is None:
         return {}
+    types, _ = _present(t, "get_local_type", strict=False)
     return {a: (V if ty.is_varying else ty) for a, ty in types.items}
 
 
@@ -337,12 +388,11 @@ def assert_local_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | Non
 
 
 def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
-    types = getattr(source, "_spmd_types", None)
-    if types is None:
+    if getattr(source, "_spmd_types", None) is None:
         if STATE.checking:
             raise TypeError("assert_type_like: the source tensor is untyped; type it first")
         return {}
-    return dict(types.items)
+    return dict(_present(source, "assert_type_like")[0].items)
 
 
 def get_partition_spec(t: Any) -> PartitionSpec | None:
@@ -503,7 +553,7 @@ def _type_declared(who: str, name: str, index: int, out: Any, declared: tuple[Ma
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{who}({name}): output {index} is a {type(out).__name__}, not a tensor")
     want, spec = _placed(out, declared[0], declared[1])
-    have: TypeMap | None = getattr(out, "_spmd_types", None)
+    have: TypeMap | None = _present(out, who)[0] if getattr(out, "_spmd_types", None) is not None else None
     if have is not None:
         for axis, w in want.items:
             h = have.get(axis)

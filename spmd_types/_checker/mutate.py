@@ -3,10 +3,12 @@
 A buffer filled by an in-place collective, or a count that is about to be
 read per rank, changes its type under the same object. ``src`` is checked;
 nothing runs. A tensor that carries a gradient may only change in a way
-whose backward needs no communication (a ``reinterpret`` whose dual is again
-a ``reinterpret``: ``V -> P``, ``R -> V``, ``R -> P``, ``I -> V``); any other
-change would need a backward the in-place retype cannot record
-(``I -> R`` needs an all-reduce of the gradient): use ``spmd.reinterpret``.
+whose backward leaves the gradient's data as it is (a ``reinterpret`` whose
+dual is again a ``reinterpret``: ``V -> P``, ``R -> V``, ``R -> P``); any
+other change has a backward that changes the gradient, which the in-place
+retype cannot record (``I -> R`` all-reduces it, ``R -> I`` keeps it on one
+rank): use ``spmd.reinterpret``. A tensor typed on another presentation of the
+ranks is first presented on the current mesh (by regions, never by names).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .._core.mesh import current_mesh, resolve_axes
 from .._core.state import STATE
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
 from .._local.transitions import backward_of, find
+from .asserts import _rehome
 
 __all__ = ["mutate_type"]
 
@@ -47,6 +50,7 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
                       [("tensor", "untyped")], ["spmd.assert_type(t, {...}) first"]),
             user_source_line(),
         )
+    types = _rehome(tensor, "spmd.mutate_type")
     updates = _updates(types, axis, src, dst)
     carries_grad = tensor.requires_grad and torch.is_grad_enabled()
     new = types
@@ -62,7 +66,8 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
         if carries_grad and not _gradient_safe(have, d):
             raise SpmdTypeError(
                 Rejection(f"spmd.mutate_type cannot change {have} to {d} on axis '{name}' of a tensor that carries a "
-                          "gradient: that change needs a backward (communication) an in-place retype cannot record.",
+                          "gradient: that change's backward changes the gradient, which an in-place retype cannot "
+                          "record.",
                           [("tensor", types.format())],
                           [f"x = spmd.reinterpret(x, '{name}', src={s.code()}, dst={d.code()})"]),
                 user_source_line(),

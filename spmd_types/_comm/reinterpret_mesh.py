@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .._checker.tensor import _DisableTF, make_typed
+from .._checker.tensor import make_typed
 from .._core.axes import MeshAxis
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import Mesh, current_mesh
-from .._core.spaces import GroupMove, move_types
+from .._core.spaces import GroupMove, move_spec, move_types
 from .._core.state import STATE
 from .._core.types import Space
 
@@ -79,26 +79,15 @@ def space_of(mesh: Any) -> Space:
 
 
 def _move_spec(spec: tuple, groups: list[GroupMove]) -> tuple:
-    """A partition spec with each moved group's axes replaced, where they appear together and in order."""
-    rename = {src: dst for src, dst in groups}
-    out = []
-    for entry in spec:
-        names, i, new = list(entry), 0, []
-        while i < len(names):
-            for src, dst in rename.items():
-                if tuple(names[i:i + len(src)]) == src:
-                    new.extend(dst)
-                    i += len(src)
-                    break
-            else:
-                raise SpmdTypeError(
-                    Rejection(
-                        "spmd.reinterpret_mesh: a dim's sharding splits a group of axes that moves as one.",
-                        [("spec", str(spec)), ("groups", ", ".join(f"{s} -> {d}" for s, d in rename.items()))],
-                        ["gather the dim first, or shard it on the whole group in order"],
-                    ),
-                    user_source_line(),
-                )
-        out.append(tuple(new))
-    with _DisableTF():
-        return tuple(out)
+    """``spec`` renamed group by group (``_core/spaces.py``), or the error saying which dim blocks it."""
+    moved = move_spec(spec, groups)
+    if isinstance(moved, str):
+        raise SpmdTypeError(
+            Rejection(
+                f"spmd.reinterpret_mesh: the tensor's partition spec cannot move onto the target mesh: {moved}.",
+                [("spec", str(spec))],
+                ["gather the dim first, or shard it on the whole group in order"],
+            ),
+            user_source_line(),
+        )
+    return moved
