@@ -18,7 +18,7 @@ from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spaces import move_spec, move_types
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.types import P, PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.types import P, PartitionSpec, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, refuse_compile
 from .._local.transitions import route_call
@@ -135,7 +135,8 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     given = _resolve_types(types, "assert_type")
     mesh = current_mesh()
     ndim = t.dim()
-    spec = spec_from_shards(given, ndim, mesh.typed_axes)
+    spec = spec_from_shards(given, ndim, mesh.typed_axes)  # checks every S(d) is in range
+    given = {a: (Shard(ty.dim % ndim) if isinstance(ty, Shard) else ty) for a, ty in given.items()}  # S(-1): S(ndim-1)
     if partition_spec is not None:
         user = normalize(partition_spec, ndim)
         user = _typed_spec(user)
@@ -229,7 +230,7 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
     shown = have
     for axis in named:
         shown = shown.replace(axis, full[axis])
-    _check(have, shown, named)
+    _check(have, shown, named, t.dim())
     refined = have
     for axis in named:
         w = full[axis]
@@ -242,7 +243,9 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
         if STATE.global_mode and spec is not None:
             _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
     if STATE.global_mode and spec is not None:
-        _check_spec(t, spec, named)
+        # a plain V says nothing of the layout (S(d) refines V): only S(d) and a given partition spec place an axis
+        placing = named if partition_spec is not None else {a for a in named if given.get(a) is not V}
+        _check_spec(t, spec, placing)
     return t
 
 
@@ -309,7 +312,7 @@ def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None) -> torch.T
         if spec is not None:
             out._spmd_spec = spec
         return out
-    _check(_rehome(t, "assert_type"), want)
+    _check(_rehome(t, "assert_type"), want, None, t.dim())
     if STATE.global_mode and spec is not None:
         _check_spec(t, spec)
     return t
@@ -408,12 +411,12 @@ def get_partition_spec(t: Any) -> PartitionSpec | None:
     return to_partition_spec(spec) if spec is not None else None
 
 
-def _check(have: TypeMap, want: TypeMap, named: set | None = None) -> None:
+def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | None = None) -> None:
     for axis, w in want.items:
         if named is not None and axis not in named:
             continue
         h = have.get(axis)
-        if compatible(h, w):
+        if compatible(h, w, ndim):
             continue
         fix = route_call("x", axis, h, w) if h is not None else None
         raise op_error(
@@ -557,7 +560,7 @@ def _type_declared(who: str, name: str, index: int, out: Any, declared: tuple[Ma
     if have is not None:
         for axis, w in want.items:
             h = have.get(axis)
-            if not compatible(h, w):
+            if not compatible(h, w, out.dim()):
                 fix = route_call(f"output{index}", axis, h, w) if h is not None else None
                 raise op_error(
                     Rejection(

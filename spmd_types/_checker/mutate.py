@@ -56,7 +56,7 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
     new = types
     for name, s, d in updates:
         have = types.get(name)
-        if not compatible(have, s):
+        if not compatible(have, s, tensor.dim()):
             raise SpmdTypeError(
                 Rejection(f"spmd.mutate_type's src= must be the tensor's type: src={s}, but the tensor is {have} "
                           f"on axis '{name}'.", [("tensor", types.format()), ("axis", f"'{name}': {have} is not {s}")],

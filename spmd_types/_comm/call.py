@@ -256,11 +256,13 @@ def check_input(opname: str, x: torch.Tensor, comm: AxisComm, src: SpmdType, dst
             raise untyped_input(opname, _call_text(opname, comm, src, dst), comm.names, src)
         return None
     types = _on_current_mesh(opname, x, types)
+    with _DisableTF():
+        ndim = x.dim()
     for name in comm.names:
         have = types.get(name)
         if have is None and name not in types.axes():
             _reject_outside(opname, x, types, comm, src, dst)
-        if not compatible(have, src):
+        if not compatible(have, src, ndim):  # S(-1) is S(ndim - 1)
             _reject_src(opname, x, types, comm, name, have, src, dst)
     return types
 

@@ -188,10 +188,15 @@ def backward_type(t: SpmdType) -> SpmdType:
         raise TypeError(f"backward_type needs an SPMD type (R, I, V, P, S(d)), got {t!r}") from None
 
 
-def compatible(have: SpmdType | None, want: SpmdType) -> bool:
-    """Does a value of type ``have`` satisfy an expected ``want``? S(d) refines V (and, locally, V may be any S(d))."""
+def compatible(have: SpmdType | None, want: SpmdType, ndim: int | None = None) -> bool:
+    """Does a value of type ``have`` satisfy an expected ``want``? S(d) refines V (and, locally, V may be any S(d)).
+
+    Given the tensor's ``ndim``, ``S(-1)`` and ``S(ndim - 1)`` are the same layout.
+    """
     if have is want:
         return True
+    if ndim and isinstance(have, Shard) and isinstance(want, Shard):
+        return have.dim % ndim == want.dim % ndim
     return have is not None and have.is_varying and want.is_varying and (have is V or want is V)
 
 
