@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -636,14 +637,49 @@ def test_register_decomposition_refuses_a_reference_of_another_shape(local):
 # G13: traceback filtering
 
 
+def _fail(mode):
+    with spmd.traceback_filtering(mode):
+        spmd.assert_type(_typed({"dp": R, "tp": V}), {"tp": R})
 
 
+def _frames(err):
+    return [f.filename.rsplit("/", 1)[-1] for f in traceback.extract_tb(err.__traceback__)]
 
 
+def test_filtered_tracebacks_show_the_users_frames(local):
+    """Found by this test: no mode removed a frame (contextlib put the original traceback back)."""
+    for mode in ("quiet_remove_frames", "remove_frames"):
+        with pytest.raises(spmd.SpmdTypeError) as info:
+            _fail(mode)
+        assert set(_frames(info.value)) == {"test_published_api.py"}, mode
+        assert info.value.__notes__ == [
+            "spmd_types left its own and torch's frames out of this traceback; SPMD_TYPES_TRACEBACK_FILTERING=off "
+            "(or spmd.traceback_filtering('off')) keeps them"]
+    assert "asserts.py" in _frames(info.value.__cause__)  # remove_frames: the full traceback is the cause
+    for mode in ("off", "tracebackhide"):
+        with pytest.raises(spmd.SpmdTypeError) as info:
+            _fail(mode)
+        assert "asserts.py" in _frames(info.value) and not hasattr(info.value, "__notes__")
 
 
+def test_nested_filtering_filters_once_and_restores_the_mode(local):
+    from spmd_types._core.tracebacks import _MODE
+
+    before = _MODE[0]
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        with spmd.traceback_filtering("remove_frames"):
+            with spmd.traceback_filtering("quiet_remove_frames"):
+                assert _MODE[0] == "quiet_remove_frames"
+                spmd.assert_type(_typed({"dp": R, "tp": V}), {"tp": R})
+    assert len(info.value.__notes__) == 1 and info.value.__cause__ is None  # the inner mode decided
+    assert _MODE[0] == before
 
 
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError) as info:
+        spmd.traceback_filtering("loud")
+    assert str(info.value) == ("traceback_filtering: mode must be one of off, auto, tracebackhide, "
+                               "quiet_remove_frames, remove_frames; got 'loud'")
 
 
 # ---------------------------------------------------------------------------
