@@ -9,6 +9,7 @@ a test shows our behaviour (docs/published_api.md lists the differences).
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import traceback
@@ -629,8 +630,27 @@ def test_register_decomposition_refuses_a_reference_of_another_shape(local):
 # G12: trace()
 
 
+def test_trace_logs_asserts_ops_and_collectives(local, caplog):
+    with caplog.at_level(logging.INFO, logger="spmd_types.trace"), spmd.trace():
+        x = spmd.assert_type(torch.randn(4), {"dp": R, "tp": V})
+        y = x * 2
+        spmd.all_gather(y, "tp", src=V, dst=R)
+        spmd.mutate_type(y, "dp", src=R, dst=V)
+        torch.randn(2) + 1  # untyped: nothing to say
+    lines = [r.getMessage().split("  ", 1)[1] for r in caplog.records]
+    assert lines == [
+        "assert_type(untyped) -> {dp: R, tp: V}",
+        "Tensor.__mul__ (*)({dp: R, tp: V}, 2) -> {dp: R, tp: V}",
+        "spmd.all_gather({dp: R, tp: V}) -> {dp: R, tp: R}",
+        "mutate_type({dp: R, tp: V}) -> {dp: V, tp: V}",
+    ]
+    assert caplog.records[0].getMessage().split(":")[0].endswith("test_published_api.py")
 
 
+def test_trace_disabled_is_silent(local, caplog):
+    with caplog.at_level(logging.INFO, logger="spmd_types.trace"), spmd.trace(False):
+        spmd.assert_type(torch.randn(4), {"dp": R, "tp": V}) * 2
+    assert caplog.records == []
 
 
 # ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from .._guards.transforms import compiling, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .tensor import make_typed, type_in_place
+from .trace import log_op
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking",
            "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like"]
@@ -212,6 +213,8 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         out = _refine(t, types, partition_spec)
     else:
         out = _type_or_check(t, *_placed(t, types, partition_spec))
+    if STATE.tracing:
+        log_op("assert_type", [old], out)
     return out  # type: ignore[return-value]
 
 

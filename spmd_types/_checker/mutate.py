@@ -23,6 +23,7 @@ from .._core.state import STATE
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
 from .._local.transitions import backward_of, find
 from .asserts import _rehome
+from .trace import log_op
 
 __all__ = ["mutate_type"]
 
@@ -74,6 +75,8 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
             )
         new = new.replace(name, d)
     tensor._spmd_types = new  # type: ignore[attr-defined]
+    if STATE.tracing:
+        log_op("mutate_type", [types], tensor)
     return tensor
 
 

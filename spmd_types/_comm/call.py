@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
+from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh, resolve_axis
@@ -431,6 +432,8 @@ def type_result(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     out = _wrap(out, types)
     if spec is not None:
         out._spmd_spec = spec
+    if STATE.tracing:
+        log_op(begun.opname, [x], out)
     return out
 
 

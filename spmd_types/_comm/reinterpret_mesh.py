@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._checker.tensor import make_typed
+from .._checker.trace import log_op
 from .._core.axes import MeshAxis
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import Mesh, current_mesh
@@ -60,6 +61,8 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
     out = make_typed(x, moved)
     if spec is not None:
         out._spmd_spec = _move_spec(spec, groups)
+    if STATE.tracing:
+        log_op("spmd.reinterpret_mesh", [x], out)
     return out
 
 
