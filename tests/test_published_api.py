@@ -103,6 +103,15 @@ def test_backward_type_as_a_method_and_a_function():
         assert t.backward_type() is g and spmd.backward_type(t) is g
 
 
+def test_spmd_type_is_the_per_axis_type_here():
+    """Difference: the published SpmdType(local_type, partition_spec) is a tensor's whole type; ours is R/I/V/P/S(d)."""
+    assert all(isinstance(t, spmd.SpmdType) for t in (R, I, V, P, S(0)))
+    with pytest.raises(TypeError) as info:
+        spmd.SpmdType({"tp": R}, None)
+    assert str(info.value) == (
+        "spmd.SpmdType is one axis's type here (spmd.R, spmd.I, spmd.V, spmd.P, spmd.S(d)), not built from arguments; "
+        "the published API's SpmdType(local_type, partition_spec) is not built: give both to "
+        "spmd.assert_type(x, types, partition_spec)")
 
 
 def test_spmd_type_error_is_a_type_error():
@@ -248,6 +257,17 @@ def test_partition_spec_on_assert(glob):
     assert str(info.value) == "axis 'tp' shards a dim in the partition spec but its type is R, not V"
 
 
+def test_get_and_has_local_type(local):
+    plain = torch.randn(2)
+    assert spmd.get_local_type(plain) == {} and not spmd.has_local_type(plain)
+    x = spmd.assert_type(torch.randn(4, 2), {"dp": P, "tp": S(0)})
+    assert spmd.get_local_type(x) == {"dp": P, "tp": V} and spmd.has_local_type(x)
+    assert spmd.get_type(x) == {"dp": P, "tp": S(0)}  # ours keeps the layout in the type
+    assert spmd.get_axis_local_type(x, "tp") is V and spmd.get_axis_local_type(x, local.get_group("dp")) is P
+    assert spmd.maybe_get_axis_local_type(plain, "tp") is None
+    with pytest.raises(ValueError) as info:
+        spmd.get_axis_local_type(plain, "tp")
+    assert str(info.value) == "get_axis_local_type: the tensor has no type on axis 'tp' (its type: {})"
 
 
 def test_assert_type_like(glob):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
+from .._core.axes import MeshAxis, region_of_group
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import Axis, current_mesh, resolve_axes
@@ -27,7 +28,8 @@ from .tensor import make_typed, type_in_place
 from .trace import log_op
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking",
-           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like"]
+           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
+           "get_axis_local_type", "maybe_get_axis_local_type"]
 
 T = TypeVar("T")
 TypeSpec = Mapping[Axis, SpmdType]
@@ -365,6 +367,57 @@ def get_local_type(t: Any) -> dict[str, SpmdType]:
         return {}
     types, _ = _present(t, "get_local_type", strict=False)
     return {a: (V if ty.is_varying else ty) for a, ty in types.items}
+
+
+def maybe_get_axis_local_type(t: Any, axis: Axis) -> SpmdType | None:
+    """``t``'s local type (R, I, V or P) on one axis, or None when it has none there (untyped, an axis of one rank).
+
+    ``axis`` is a name, a ProcessGroup or a MeshAxis; a group over several axes
+    (a flattened ``dp_cp``) has a type when its axes agree.
+
+    Example::
+
+        if spmd.maybe_get_axis_local_type(x, tp_group) is spmd.P:
+            x = spmd.all_reduce(x, tp_group, src=spmd.P, dst=spmd.R)
+    """
+    if getattr(t, "_spmd_types", None) is None:
+        return None
+    types, _ = _present(t, "get_axis_local_type", strict=False)
+    found = {types.get(n) for n in _axis_names(types, axis)}
+    if len(found) != 1 or None in found:
+        return None
+    (one,) = found
+    return V if one.is_varying else one
+
+
+def get_axis_local_type(t: Any, axis: Axis) -> SpmdType:
+    """Like :func:`maybe_get_axis_local_type`, but a ``ValueError`` when there is no type on that axis.
+
+    Example::
+
+        spmd.get_axis_local_type(x, "tp")   # V
+    """
+    found = maybe_get_axis_local_type(t, axis)
+    if found is None:
+        shown = getattr(t, "_spmd_types", None)
+        raise ValueError(f"get_axis_local_type: the tensor has no type on axis {_shown_axis(axis)} "
+                         f"(its type: {shown.format() if shown is not None else '{}'})")
+    return found
+
+
+def _axis_names(types: TypeMap, axis: Axis) -> tuple[str, ...]:
+    """The names ``axis`` stands for: on the current mesh, else among the axes of the tensor's own mesh."""
+    if current_mesh() is not None:
+        return resolve_axes(axis)
+    if isinstance(axis, str):
+        return (str.__str__(axis),)
+    region = axis if isinstance(axis, MeshAxis) else region_of_group(axis)
+    space = types.space
+    return tuple(n for n, r in (space.pairs if space is not None else ()) if r == region)
+
+
+def _shown_axis(axis: Axis) -> str:
+    return repr(str.__str__(axis)) if isinstance(axis, str) else repr(axis)
 
 
 def has_local_type(t: Any) -> bool:

@@ -42,6 +42,12 @@ class SpmdType:
     __slots__ = ("_short", "_long")
 
     def __init__(self, short: str, long: str) -> None:
+        if not (isinstance(short, str) and isinstance(long, str)):
+            raise TypeError(
+                "spmd.SpmdType is one axis's type here (spmd.R, spmd.I, spmd.V, spmd.P, spmd.S(d)), not built from "
+                "arguments; the published API's SpmdType(local_type, partition_spec) is not built: give both to "
+                "spmd.assert_type(x, types, partition_spec)"
+            )
         object.__setattr__(self, "_short", short)
         object.__setattr__(self, "_long", long)
 
