@@ -261,3 +261,30 @@ def test_nested_meshes_keep_their_own_local_axes(fake):
         with spmd.set_current_mesh(dense), pytest.raises(spmd.SpmdTypeError) as info:
             spmd.assert_type(torch.randn(4), {"dp": V, "cp": R, "tp": S(0)})
         assert info.value.rule.startswith("Global SPMD: the tensor is V on axis 'dp', which is checked in global SPMD")
+
+
+def test_global_spmd_moves_an_operands_partition_spec_too():
+    """Found by this test: under another presentation an op dropped the operand's layout (spec (None, None)), or
+    refused two operands whose layouts agree ('sharded on no axis')."""
+    with simulate((2, 2, 2), ("dp", "cp", "tp")), spmd.typecheck(local=False):
+        flat, _ = _meshes()
+        x = spmd.assert_type(torch.randn(4, 6), {"dp": V, "cp": V, "tp": R}, PS(("dp", "cp"), None))
+        with spmd.set_current_mesh(flat):
+            y = spmd.assert_type(torch.randn(4, 6), {"dp_cp": V, "tp": R}, PS("dp_cp", None))
+            doubled, total = x * 2, x + y
+        assert spmd.get_type(doubled) == spmd.get_type(total) == {"dp_cp": V, "tp": R}
+        assert spmd.get_partition_spec(doubled) == spmd.get_partition_spec(total) == PS("dp_cp", None)
+        back = x * 2  # under the dense mesh again
+        assert spmd.get_type(back) == {"dp": V, "cp": V, "tp": R}
+        assert spmd.get_partition_spec(back) == PS(("dp", "cp"), None)
+        split = spmd.assert_type(torch.randn(4, 6), {"dp": V, "cp": V, "tp": R}, PS("cp", "dp"))
+        with spmd.set_current_mesh(flat), pytest.raises(spmd.SpmdTypeError) as info:
+            split * 2
+    assert info.value.rule == (
+        "Global SPMD: Tensor.__mul__ (*) has an operand typed on another mesh, and it cannot move onto the current "
+        "one: dim 0 is sharded on ('cp',), which splits a group of axes that moves as one (('dp', 'cp') -> "
+        "('dp_cp',)).")
+
+
+
+

@@ -801,3 +801,20 @@ def test_type_checking_flags():
         with spmd.no_typecheck():
             assert not spmd.TYPE_CHECKING
     assert repr(spmd.TYPE_CHECKING) == "TYPE_CHECKING(False)"
+
+
+def test_register_decomposition_under_global_spmd(glob):
+    spmd.register_decomposition(_FusedRms, _rms)
+    try:
+        w = spmd.assert_type(torch.randn(6), {"dp": R, "tp": R})
+        x = spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": S(0)})
+        out = _FusedRms.apply(x, w)  # the norm is over dim 1: a shard of dim 0 goes through
+        assert spmd.get_type(out) == {"dp": R, "tp": V} and spmd.get_partition_spec(out) == PS("tp", None)
+        r = _FusedRms.apply(spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": R}), w)
+        assert spmd.get_type(r) == {"dp": R, "tp": R} and spmd.get_partition_spec(r) == PS(None, None)
+        with pytest.raises(spmd.SpmdTypeError) as info:  # sharding the normalized dim: each rank sees part of it
+            _FusedRms.apply(spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": S(1)}), w)
+        assert info.value.rule == ("Global SPMD: a reduction over a sharded dim adds up only this rank's shard; the "
+                                   "global result needs the shards combined.")
+    finally:
+        spmd.unregister_autograd_function(_FusedRms)

@@ -16,7 +16,7 @@ from .._core.axes import MeshAxis, region_of_group
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import Axis, current_mesh, resolve_axes
-from .._core.spaces import move_spec, move_types
+from .._core.spaces import move_types, rehome
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import P, PartitionSpec, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
@@ -269,34 +269,30 @@ def _present(t: torch.Tensor, who: str, *, strict: bool = True) -> tuple[TypeMap
     if isinstance(found, str):
         if not strict:
             return types, None
-        raise SpmdTypeError(
-            Rejection(
-                f"{who}: the tensor is typed on another mesh, and its type cannot move onto the current one: {found}.",
-                [("tensor", types.format()),
-                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
-                ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks, or type it under this mesh"],
-            ),
-            user_source_line(),
-        )
+        raise _cannot_move(who, types, mesh, found)
     return found
 
 
 def _rehome(t: torch.Tensor, who: str) -> TypeMap:
     """Store ``t``'s type (and partition spec) as presented on the current mesh, in place; return the type."""
-    types, groups = _present(t, who)
-    if groups is not None:
-        spec = getattr(t, "_spmd_spec", None)
-        if spec is not None:
-            moved = move_spec(spec, groups)
-            if isinstance(moved, str):
-                raise SpmdTypeError(
-                    Rejection(f"{who}: the tensor's partition spec cannot move onto the current mesh: {moved}.",
-                              [("spec", str(spec))], ["gather the dim first, or shard it on the whole group in order"]),
-                    user_source_line(),
-                )
-            t._spmd_spec = moved  # type: ignore[attr-defined]
-        t._spmd_types = types  # type: ignore[attr-defined]
-    return types
+    mesh = current_mesh()
+    if mesh is not None:
+        why = rehome(t, mesh.space)
+        if why is not None:
+            raise _cannot_move(who, t._spmd_types, mesh, why)  # type: ignore[attr-defined]
+    return t._spmd_types  # type: ignore[attr-defined]
+
+
+def _cannot_move(who: str, types: TypeMap, mesh: Any, why: str) -> SpmdTypeError:
+    return SpmdTypeError(
+        Rejection(
+            f"{who}: the tensor is typed on another mesh, and its type cannot move onto the current one: {why}.",
+            [("tensor", types.format()),
+             ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
+            ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks, or type it under this mesh"],
+        ),
+        user_source_line(),
+    )
 
 
 def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:
