@@ -286,5 +286,14 @@ def test_global_spmd_moves_an_operands_partition_spec_too():
         "('dp_cp',)).")
 
 
-
-
+def test_the_target_given_as_a_type(fake):
+    """reinterpret_mesh(t, {axis: type}): the target's axes, and the type the caller expects there."""
+    dense, flat, _ = fake
+    x = spmd.assert_type(torch.randn(4), {"dp": V, "cp": V, "tp": R})
+    dp_cp, tp = flat.get_group("dp_cp"), spmd.MeshAxis.of(2, 1)
+    y = spmd.reinterpret_mesh(x, {dp_cp: V, tp: R})
+    assert spmd.get_type(y) == {"dp_cp": V, "tp": R}
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        spmd.reinterpret_mesh(x, {dp_cp: V, tp: I})
+    assert info.value.rule == ("spmd.reinterpret_mesh: the tensor's type moves onto axis 'tp' as R, and the declared "
+                               "type says I.")
