@@ -134,6 +134,10 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f".integrations.dtensor.{module}", __name__), name)
 
 
+from . import checker as checker  # noqa: E402 - the published API's modules, reachable as spmd.checker / spmd.runtime
+from . import runtime as runtime  # noqa: E402
+
+
 def _hide_own_frames() -> None:
     """pytest and IPython show an SpmdTypeError's traceback without the package's frames (see _core/tracebacks.py)."""
     import sys

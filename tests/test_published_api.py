@@ -10,6 +10,7 @@ a test shows our behaviour (docs/published_api.md lists the differences).
 from __future__ import annotations
 
 import logging
+import pathlib
 import subprocess
 import sys
 import traceback
@@ -78,6 +79,8 @@ def test_the_published_modules():
         spmd.typecheck, spmd.local_map, spmd.no_typecheck, spmd.is_type_checking)
     assert (get_local_type, get_partition_spec, has_local_type) == (
         spmd.get_local_type, spmd.get_partition_spec, spmd.has_local_type)
+    assert spmd.runtime.mutate_type is spmd.mutate_type and spmd.checker.typecheck is spmd.typecheck
+    assert spmd.types.Shard is spmd.Shard
     assert PerMeshAxisSpmdType is spmd.SpmdType and isinstance(spmd.R, PerMeshAxisLocalSpmdType)
     assert TensorSharding(None, "tp") == (None, "tp") and repr(TensorSharding("tp")) == "TensorSharding('tp')"
     for alias in (LocalSpmdType, PerMeshAxisSpmdTypes, DimSharding):
@@ -134,9 +137,10 @@ def test_partition_spec_entries_and_normalizing(local):
 
 def test_importing_the_package_imports_the_checker():
     """Difference: the published package keeps its checker out of `import spmd_types`; ours imports it (LTensor)."""
-    code = "import sys, spmd_types; print('spmd_types._checker.tensor' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "True"
+    code = "import sys, spmd_types; print('spmd_types._checker.tensor' in sys.modules, spmd_types.runtime.__name__)"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+    assert out.strip() == "True spmd_types.runtime"  # and spmd.runtime needs no import of its own
 
 
 # ---------------------------------------------------------------------------
@@ -395,6 +399,31 @@ def test_mutate_type_then_a_collective_on_simulated_ranks():
 
 # ---------------------------------------------------------------------------
 # G7 and G8: local_map, local(), local axes
+
+
+@spmd.local_map(in_types=[PS("tp", None)], out_types={"dp": R, "tp": S(0)})
+def _plus_one(x):
+    """Declared at import, before any mesh exists: the axis names resolve at each call."""
+    return x + 1
+
+
+class _Attention(torch.nn.Module):
+    @spmd.local_map(out_types=PS(None, "tp"))  # torchtitan's form: a method, out_types only
+    def forward(self, x):
+        return x * 2
+
+
+def test_declarations_resolve_at_call_time(glob):
+    x = spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": S(0)})
+    assert spmd.get_type(_plus_one(x)) == {"dp": R, "tp": S(0)}
+    y = _Attention()(spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": S(1)}))
+    assert spmd.get_type(y) == {"dp": R, "tp": V} and spmd.get_partition_spec(y) == PS(None, "tp")
+
+
+def test_redistribute_from_the_last_dim_as_torchtitans_loss(glob):
+    x = spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": S(-1)})
+    y = spmd.redistribute(x, glob.get_group("tp"), src=S(-1), dst=I)
+    assert spmd.get_type(y) == {"dp": R, "tp": I} and spmd.get_partition_spec(y) == PS(None, None)
 
 
 def test_local_map_infers_inputs_by_default(glob):
