@@ -374,6 +374,9 @@ def test_a_tensor_with_a_gradient_changes_only_where_the_backward_needs_nothing(
         spmd.mutate_type(h, "tp", src=I, dst=V)  # reinterpret I -> V: its backward all-reduces
     spmd.mutate_type(h, "dp", src=V, dst=P)  # reinterpret V -> P: the gradient's data is unchanged
     assert spmd.get_type(h) == {"dp": P, "tp": I}
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        spmd.mutate_type(h, "dp", src=P, dst=V)  # no reinterpret takes P to V: no fix to offer
+    assert info.value.fixes == ()
 
 
 def test_mutate_type_then_a_collective_on_simulated_ranks():

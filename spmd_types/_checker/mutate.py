@@ -70,7 +70,7 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
                           "gradient: that change's backward changes the gradient, which an in-place retype cannot "
                           "record.",
                           [("tensor", types.format())],
-                          [f"x = spmd.reinterpret(x, '{name}', src={s.code()}, dst={d.code()})"]),
+                          _retype_fixes(name, have, d)),
                 user_source_line(),
             )
         new = new.replace(name, d)
@@ -115,6 +115,13 @@ def _by_name(types: Mapping[Any, Any], what: str) -> dict[str, SpmdType]:
 def _type(t: Any, what: str) -> SpmdType:
     t = check_type_value(t, f"spmd.mutate_type: {what}")
     return V if t.is_varying else t  # S(d) is V locally
+
+
+def _retype_fixes(name: str, have: SpmdType, dst: SpmdType) -> list[str]:
+    """The retype that records its backward: a reinterpret, when seed 003's table has one (P -> V has none)."""
+    if find("reinterpret", have, dst) is not None:
+        return [f"x = spmd.reinterpret(x, '{name}', src={have.code()}, dst={dst.code()})"]
+    return []
 
 
 def _gradient_safe(have: SpmdType | None, dst: SpmdType) -> bool:
