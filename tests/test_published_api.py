@@ -9,8 +9,11 @@ a test shows our behaviour (docs/published_api.md lists the differences).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import pathlib
+import re
 import subprocess
 import sys
 import traceback
@@ -850,3 +853,20 @@ def test_register_decomposition_under_global_spmd(glob):
                                    "global result needs the shards combined.")
     finally:
         spmd.unregister_autograd_function(_FusedRms)
+
+
+# ---------------------------------------------------------------------------
+# docs/published_api.md: its examples run, and print what the page shows
+
+_PAGE = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "published_api.md").read_text()
+_BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", _PAGE, flags=re.S | re.M)
+_EXAMPLES = [(code, out if lang2 == "text" else "") for (lang, code), (lang2, out) in zip(_BLOCKS, _BLOCKS[1:] + [("", "")])
+             if lang == "python"]
+
+
+@pytest.mark.parametrize("code, output", _EXAMPLES, ids=[f"example{i}" for i in range(len(_EXAMPLES))])
+def test_the_pages_examples_run(code, output):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "<docs/published_api.md>", "exec"), {"__name__": "__example__"})
+    assert printed.getvalue() == output
