@@ -533,6 +533,32 @@ def test_local_axes_stay_local_under_global_checking(glob):
         spmd.assert_type(torch.randn(4, 8), {"dp": V, "tp": S(1)})
 
 
+def test_local_dp_with_global_tp_on_simulated_ranks():
+    """torchtitan's multimodal set-up: dp local (a batch per rank), tp global (column- then row-parallel linears)."""
+    import torch.nn.functional as F
+
+    def draw(*shape, seed):
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    xs, w1, w2 = [draw(3, 4, seed=d) for d in range(2)], draw(6, 4, seed=10), draw(4, 6, seed=11)
+    with simulate((2, 2), ("dp", "tp"), ranks="local", device="cpu"), spmd.typecheck(local=False), \
+            spmd.set_current_mesh(None, local_axes=("dp",)):
+        x = spmd.assert_type(per_rank(lambda r: xs[r // 2].clone()), {"dp": V, "tp": R})
+        a = spmd.assert_type(per_rank(lambda r: w1.chunk(2, 0)[r % 2].clone()), {"dp": R, "tp": S(0)})
+        b = spmd.assert_type(per_rank(lambda r: w2.chunk(2, 1)[r % 2].clone()), {"dp": R, "tp": S(1)})
+        h = F.linear(x, a)
+        assert spmd.get_type(h) == {"dp": V, "tp": V} and spmd.get_partition_spec(h) == PS(None, "tp")
+        with CommCounter() as comms:
+            y = spmd.all_reduce(F.linear(h, b), "tp", src=P, dst=R)  # the collective claims the pending sum
+        assert comms.counts == {"all_reduce": 1} and spmd.get_type(y) == {"dp": V, "tp": R}
+        z = spmd.redistribute(y, "dp", src=V, dst=I)  # on the local axis: the per-rank batches, stacked
+        assert spmd.get_type(z) == {"dp": I, "tp": R}
+        ys, zs = rank_values(y), rank_values(z)
+    for r in range(4):
+        torch.testing.assert_close(ys[r], F.linear(F.linear(xs[r // 2], w1), w2))
+        torch.testing.assert_close(zs[r], torch.stack([ys[r % 2], ys[2 + r % 2]]))
+
+
 def test_typecheck_takes_strict_as_a_bool():
     """Difference: the published typecheck(strict_mode='strict'|'permissive') defaults to strict; ours is
     typecheck(strict=False) (permissive unless asked)."""
