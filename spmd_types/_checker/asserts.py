@@ -12,11 +12,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
-from .._core.axes import MeshAxis, region_of_group
 from .._core.dtensor_hook import interop, is_dtensor
-from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
+from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axes
-from .._core.spaces import move_types, rehome
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import P, PartitionSpec, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
@@ -24,6 +22,16 @@ from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
+from .reading import (  # noqa: F401 - the readers are re-exported here, beside assert_type
+    get_axis_local_type,
+    get_local_type,
+    get_partition_spec,
+    get_type,
+    has_local_type,
+    maybe_get_axis_local_type,
+    present,
+    rehome_here,
+)
 from .tensor import make_typed, type_in_place
 from .trace import log_op
 
@@ -231,7 +239,7 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
     full, spec = _placed(t, types, partition_spec)
     given = _resolve_types(types, "assert_type")
     named = set(given) | (axes_of(spec) if spec is not None else set())
-    have = _rehome(t, "assert_type")
+    have = rehome_here(t, "assert_type")
     shown = have
     for axis in named:
         shown = shown.replace(axis, full[axis])
@@ -254,47 +262,6 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
     return t
 
 
-def _present(t: torch.Tensor, who: str, *, strict: bool = True) -> tuple[TypeMap, list | None]:
-    """``t``'s type presented on the current mesh, with the groups that moved (None when nothing moved).
-
-    A tensor typed on another presentation of the same ranks (a flattened or an
-    expert mesh) moves by ``_core/spaces.py``'s rule; one that cannot move is an
-    error (``strict``) or stays as it is.
-    """
-    types: TypeMap = t._spmd_types  # type: ignore[attr-defined]
-    mesh = current_mesh()
-    if mesh is None or types.space is None or types.space is mesh.space:
-        return types, None
-    found = move_types(types, mesh.space)
-    if isinstance(found, str):
-        if not strict:
-            return types, None
-        raise _cannot_move(who, types, mesh, found)
-    return found
-
-
-def _rehome(t: torch.Tensor, who: str) -> TypeMap:
-    """Store ``t``'s type (and partition spec) as presented on the current mesh, in place; return the type."""
-    mesh = current_mesh()
-    if mesh is not None:
-        why = rehome(t, mesh.space)
-        if why is not None:
-            raise _cannot_move(who, t._spmd_types, mesh, why)  # type: ignore[attr-defined]
-    return t._spmd_types  # type: ignore[attr-defined]
-
-
-def _cannot_move(who: str, types: TypeMap, mesh: Any, why: str) -> SpmdTypeError:
-    return SpmdTypeError(
-        Rejection(
-            f"{who}: the tensor is typed on another mesh, and its type cannot move onto the current one: {why}.",
-            [("tensor", types.format()),
-             ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
-            ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks, or type it under this mesh"],
-        ),
-        user_source_line(),
-    )
-
-
 def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:
     """Give ``t``'s partition spec the newly refined ``axes`` where ``spec`` places them."""
     have = getattr(t, "_spmd_spec", None) or tuple(() for _ in range(t.dim()))
@@ -313,7 +280,7 @@ def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None) -> torch.T
         if spec is not None:
             out._spmd_spec = spec
         return out
-    _check(_rehome(t, "assert_type"), want, None, t.dim())
+    _check(rehome_here(t, "assert_type"), want, None, t.dim())
     if STATE.global_mode and spec is not None:
         _check_spec(t, spec)
     return t
@@ -349,78 +316,6 @@ def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
         )
 
 
-def get_local_type(t: Any) -> dict[str, SpmdType]:
-    """The published API's view of a tensor's type: ``{axis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
-
-    Axes of size 1 carry no type and do not appear. The layout of V axes is the
-    partition spec (:func:`get_partition_spec`).
-
-    Example::
-
-        out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
-    """
-    if getattr(t, "_spmd_types", None) is None:
-        return {}
-    types, _ = _present(t, "get_local_type", strict=False)
-    return {a: (V if ty.is_varying else ty) for a, ty in types.items}
-
-
-def maybe_get_axis_local_type(t: Any, axis: Axis) -> SpmdType | None:
-    """``t``'s local type (R, I, V or P) on one axis, or None when it has none there (untyped, an axis of one rank).
-
-    ``axis`` is a name, a ProcessGroup or a MeshAxis; a group over several axes
-    (a flattened ``dp_cp``) has a type when its axes agree.
-
-    Example::
-
-        if spmd.maybe_get_axis_local_type(x, tp_group) is spmd.P:
-            x = spmd.all_reduce(x, tp_group, src=spmd.P, dst=spmd.R)
-    """
-    if getattr(t, "_spmd_types", None) is None:
-        return None
-    types, _ = _present(t, "get_axis_local_type", strict=False)
-    found = {types.get(n) for n in _axis_names(types, axis)}
-    if len(found) != 1 or None in found:
-        return None
-    (one,) = found
-    return V if one.is_varying else one
-
-
-def get_axis_local_type(t: Any, axis: Axis) -> SpmdType:
-    """Like :func:`maybe_get_axis_local_type`, but a ``ValueError`` when there is no type on that axis.
-
-    Example::
-
-        spmd.get_axis_local_type(x, "tp")   # V
-    """
-    found = maybe_get_axis_local_type(t, axis)
-    if found is None:
-        shown = getattr(t, "_spmd_types", None)
-        raise ValueError(f"get_axis_local_type: the tensor has no type on axis {_shown_axis(axis)} "
-                         f"(its type: {shown.format() if shown is not None else '{}'})")
-    return found
-
-
-def _axis_names(types: TypeMap, axis: Axis) -> tuple[str, ...]:
-    """The names ``axis`` stands for: on the current mesh, else among the axes of the tensor's own mesh."""
-    if current_mesh() is not None:
-        return resolve_axes(axis)
-    if isinstance(axis, str):
-        return (str.__str__(axis),)
-    region = axis if isinstance(axis, MeshAxis) else region_of_group(axis)
-    space = types.space
-    return tuple(n for n, r in (space.pairs if space is not None else ()) if r == region)
-
-
-def _shown_axis(axis: Axis) -> str:
-    return repr(str.__str__(axis)) if isinstance(axis, str) else repr(axis)
-
-
-def has_local_type(t: Any) -> bool:
-    """True when ``t`` carries an SPMD type."""
-    return getattr(t, "_spmd_types", None) is not None
-
-
 def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
     """``assert_type(t, source's types with overrides, source's partition spec)``, in place.
 
@@ -447,20 +342,7 @@ def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
         if STATE.checking:
             raise TypeError("assert_type_like: the source tensor is untyped; type it first")
         return {}
-    return dict(_present(source, "assert_type_like")[0].items)
-
-
-def get_partition_spec(t: Any) -> PartitionSpec | None:
-    """A typed tensor's partition spec (global SPMD), or None if it has none.
-
-    Example::
-
-        with spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
-            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
-            spmd.get_partition_spec(x)   # PartitionSpec('tp', None)
-    """
-    spec = getattr(t, "_spmd_spec", None) if isinstance(t, torch.Tensor) else None
-    return to_partition_spec(spec) if spec is not None else None
+    return dict(present(source, "assert_type_like")[0].items)
 
 
 def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | None = None) -> None:
@@ -480,17 +362,6 @@ def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | N
             "assert_type",
             ("x", "types"),
         )
-
-
-def get_type(t: Any) -> dict[str, SpmdType] | None:
-    """The tensor's ``{axis: type}``, or None if it is untyped.
-
-    Example::
-
-        spmd.get_type(x)   # {'dp': V, 'tp': R}
-    """
-    types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
-    return types.as_dict() if types is not None else None
 
 
 # ---------------------------------------------------------------------------
@@ -608,7 +479,7 @@ def _type_declared(who: str, name: str, index: int, out: Any, declared: tuple[Ma
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{who}({name}): output {index} is a {type(out).__name__}, not a tensor")
     want, spec = _placed(out, declared[0], declared[1])
-    have: TypeMap | None = _present(out, who)[0] if getattr(out, "_spmd_types", None) is not None else None
+    have: TypeMap | None = present(out, who)[0] if getattr(out, "_spmd_types", None) is not None else None
     if have is not None:
         for axis, w in want.items:
             h = have.get(axis)

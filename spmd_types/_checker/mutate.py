@@ -22,7 +22,7 @@ from .._core.mesh import current_mesh, resolve_axes
 from .._core.state import STATE
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
 from .._local.transitions import backward_of, find
-from .asserts import _rehome
+from .reading import rehome_here
 from .trace import log_op
 
 __all__ = ["mutate_type"]
@@ -51,7 +51,7 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
                       [("tensor", "untyped")], ["spmd.assert_type(t, {...}) first"]),
             user_source_line(),
         )
-    types = _rehome(tensor, "spmd.mutate_type")
+    types = rehome_here(tensor, "spmd.mutate_type")
     updates = _updates(types, axis, src, dst)
     carries_grad = tensor.requires_grad and torch.is_grad_enabled()
     new = types
