@@ -25,11 +25,13 @@ from ._checker.asserts import (
     assert_type,
     assert_type_like,
     attach_boundary,
+    get_axis_local_type,
     get_local_type,
     get_partition_spec,
     get_type,
     has_local_type,
     is_checking,
+    maybe_get_axis_local_type,
     typecheck,
     typed_boundary,
 )
@@ -103,7 +105,8 @@ __all__ = [
     "register_autograd_function", "unregister_autograd_function",
     # the published spmd_types API (torchtitan's), beside our own names
     "is_type_checking", "TYPE_CHECKING", "current_mesh", "current_mesh_names", "current_mesh_all_names", "MeshAxis",
-    "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
+    "get_local_type", "has_local_type", "get_axis_local_type", "maybe_get_axis_local_type",
+    "assert_type_like", "assert_local_type", "assert_local_type_like",
     "mutate_type", "local", "Infer", "reinterpret_mesh", "shard", "unshard", "invariant_to_replicate",
     "register_local_autograd_function", "register_decomposition", "trace", "traceback_filtering",
     "PerMeshAxisSpmdType", "PerMeshAxisLocalSpmdType", "TensorSharding", "normalize_axis", "normalize_mesh",
@@ -129,6 +132,10 @@ def __getattr__(name: str):
     import importlib
 
     return getattr(importlib.import_module(f".integrations.dtensor.{module}", __name__), name)
+
+
+from . import checker as checker  # noqa: E402 - the published API's modules, reachable as spmd.checker / spmd.runtime
+from . import runtime as runtime  # noqa: E402
 
 
 def _hide_own_frames() -> None:

@@ -22,15 +22,18 @@ from ._checker.asserts import (
     assert_local_type_like,
     assert_type,
     assert_type_like,
+    get_axis_local_type,
     get_local_type,
     get_partition_spec,
     has_local_type,
+    maybe_get_axis_local_type,
 )
 from ._checker.mutate import mutate_type
 from ._checker.trace import trace
 
 __all__ = [
-    "get_local_type", "get_partition_spec", "has_local_type", "assert_type", "assert_type_like",
+    "get_local_type", "get_partition_spec", "has_local_type", "get_axis_local_type", "maybe_get_axis_local_type",
+    "assert_type", "assert_type_like",
     "assert_local_type", "assert_local_type_like", "mutate_type", "local", "local_map", "Infer", "no_typecheck",
     "register_autograd_function", "register_local_autograd_function", "register_decomposition", "trace",
 ]

@@ -18,17 +18,28 @@ from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.types import P, PartitionSpec, R, SpmdType, TypeMap, V, check_type_value, compatible, shard_in_range
+from .._core.types import P, PartitionSpec, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
 from .declarations import check_declarations, check_module, check_positional
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .latent import apply_remembered, remember, remembered
+from .reading import (  # noqa: F401 - the readers are re-exported here, beside assert_type
+    get_axis_local_type,
+    get_partition_spec,
+    get_type,
+    maybe_get_axis_local_type,
+    present,
+    rehome_here,
+)
+from .reading import get_local_type as _typed_local_type
 from .tensor import make_typed, type_in_place
+from .trace import log_op
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking",
-           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like"]
+           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
+           "get_axis_local_type", "maybe_get_axis_local_type"]
 
 T = TypeVar("T")
 TypeSpec = Mapping[Axis, SpmdType]
@@ -140,8 +151,8 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     given = _resolve_types(types, "assert_type")
     mesh = current_mesh()
     ndim = t.dim()
-    spec = spec_from_shards(given, ndim, mesh.typed_axes)
-    given = {a: shard_in_range(t, ndim, f"assert_type: axis '{a}'") for a, t in given.items()}  # S(-1) is S(ndim-1)
+    spec = spec_from_shards(given, ndim, mesh.typed_axes)  # checks every S(d) is in range
+    given = {a: (Shard(ty.dim % ndim) if isinstance(ty, Shard) else ty) for a, ty in given.items()}  # S(-1): S(ndim-1)
     if partition_spec is not None:
         user = normalize(partition_spec, ndim)
         user = _typed_spec(user)
@@ -214,10 +225,14 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         return interop().assert_dtensor(t, types, partition_spec)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"assert_type takes a tensor (or a list or tuple of tensors) or an nn.Module, got {type(t).__name__}")
-    if getattr(t, "_spmd_types", None) is not None:
-        return _refine(t, types, partition_spec)  # type: ignore[return-value]
-    want, spec = _placed(t, types, partition_spec)
-    return _type_or_check(t, want, spec)  # type: ignore[return-value]
+    old = getattr(t, "_spmd_types", None)
+    if old is not None:
+        out = _refine(t, types, partition_spec)
+    else:
+        out = _type_or_check(t, *_placed(t, types, partition_spec))
+    if STATE.tracing:
+        log_op("assert_type", [old], out)
+    return out  # type: ignore[return-value]
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -225,14 +240,17 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
 
     Asserting ``S(d)`` on a V axis refines it: the tensor's type becomes
     ``S(d)`` (same object; in global SPMD the partition spec gains the axis).
+    A tensor typed on another presentation of the ranks is first presented on
+    the current mesh (compared by regions of ranks, never by names).
     """
     full, spec = _placed(t, types, partition_spec)
-    named = set(_resolve_types(types, "assert_type")) | (axes_of(spec) if spec is not None else set())
-    have: TypeMap = t._spmd_types  # type: ignore[attr-defined]
+    given = _resolve_types(types, "assert_type")
+    named = set(given) | (axes_of(spec) if spec is not None else set())
+    have = rehome_here(t, "assert_type")
     shown = have
     for axis in named:
         shown = shown.replace(axis, full[axis])
-    _check(have, shown, named)
+    _check(have, shown, named, t.dim())
     refined = have
     for axis in named:
         w = full[axis]
@@ -245,7 +263,9 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
         if spec is not None:  # kept in local SPMD too: a global region after it reads the layout
             _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
     if STATE.global_mode and spec is not None:
-        _check_spec(t, spec, named)
+        # a plain V says nothing of the layout (S(d) refines V): only S(d) and a given partition spec place an axis
+        placing = named if partition_spec is not None else {a for a in named if given.get(a) is not V}
+        _check_spec(t, spec, placing)
     return t
 
 
@@ -271,7 +291,7 @@ def _type_or_check(t: torch.Tensor, want: TypeMap, spec: Spec | None) -> torch.T
         if spec is not None:
             out._spmd_spec = spec
         return out
-    _check(have, want)
+    _check(rehome_here(t, "assert_type"), want, None, t.dim())
     if STATE.global_mode and spec is not None:
         _check_spec(t, spec)
     return t
@@ -318,15 +338,13 @@ def get_local_type(t: Any) -> dict[Any, SpmdType]:
 
         out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
     """
-    types = getattr(t, "_spmd_types", None)
-    if types is None:
-        found = _remembered_types(t)
-        if found is None:
-            return {}
-        if not isinstance(found, TypeMap):
-            return {a: (V if ty.is_varying else ty) for a, ty in found.items()}
-        types = found
-    return {a: (V if ty.is_varying else ty) for a, ty in types.items}
+    if getattr(t, "_spmd_types", None) is not None:
+        return _typed_local_type(t)  # presented on the current mesh
+    found = _remembered_types(t)
+    if found is None:
+        return {}
+    items = found.items if isinstance(found, TypeMap) else found.items()
+    return {a: (V if ty.is_varying else ty) for a, ty in items}
 
 
 def _remembered_types(t: Any) -> TypeMap | Mapping | None:
@@ -372,33 +390,19 @@ def assert_local_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | Non
 
 
 def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
-    types = getattr(source, "_spmd_types", None)
-    if types is None:
+    if getattr(source, "_spmd_types", None) is None:
         if STATE.checking:
             raise TypeError("assert_type_like: the source tensor is untyped; type it first")
         return {}
-    return dict(types.items)
+    return dict(present(source, "assert_type_like")[0].items)
 
 
-def get_partition_spec(t: Any) -> PartitionSpec | None:
-    """A typed tensor's partition spec (global SPMD), or None if it has none.
-
-    Example::
-
-        with spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
-            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
-            spmd.get_partition_spec(x)   # PartitionSpec('tp', None)
-    """
-    spec = getattr(t, "_spmd_spec", None) if isinstance(t, torch.Tensor) else None
-    return to_partition_spec(spec) if spec is not None else None
-
-
-def _check(have: TypeMap, want: TypeMap, named: set | None = None) -> None:
+def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | None = None) -> None:
     for axis, w in want.items:
         if named is not None and axis not in named:
             continue
         h = have.get(axis)
-        if compatible(h, w):
+        if compatible(h, w, ndim):
             continue
         fix = route_call("x", axis, h, w) if h is not None else None
         raise op_error(
@@ -410,17 +414,6 @@ def _check(have: TypeMap, want: TypeMap, named: set | None = None) -> None:
             "assert_type",
             ("x", "types"),
         )
-
-
-def get_type(t: Any) -> dict[str, SpmdType] | None:
-    """The tensor's ``{axis: type}``, or None if it is untyped.
-
-    Example::
-
-        spmd.get_type(x)   # {'dp': V, 'tp': R}
-    """
-    types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
-    return types.as_dict() if types is not None else None
 
 
 # ---------------------------------------------------------------------------
@@ -542,13 +535,13 @@ def _type_declared(who: str, name: str, index: int, out: Any, declared: tuple[Ma
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{who}({name}): output {index} is a {type(out).__name__}, not a tensor")
     want, spec = _placed(out, declared[0], declared[1])
-    have: TypeMap | None = getattr(out, "_spmd_types", None)
+    have: TypeMap | None = present(out, who)[0] if getattr(out, "_spmd_types", None) is not None else None
     if have is not None:
         for axis, w in want.items:
             h = have.get(axis)
             if w is P and h is not None and h.is_varying:
                 continue  # each rank's piece of the declared pending sum: reinterpret(V, P), no communication either way
-            if not compatible(h, w):
+            if not compatible(h, w, out.dim()):
                 fix = route_call(f"output{index}", axis, h, w) if h is not None else None
                 raise op_error(
                     Rejection(

@@ -3,10 +3,12 @@
 A buffer filled by an in-place collective, or a count that is about to be
 read per rank, changes its type under the same object. ``src`` is checked;
 nothing runs. A tensor that carries a gradient may only change in a way
-whose backward needs no communication (a ``reinterpret`` whose dual is again
-a ``reinterpret``: ``V -> P``, ``R -> V``, ``R -> P``, ``I -> V``); any other
-change would need a backward the in-place retype cannot record
-(``I -> R`` needs an all-reduce of the gradient): use ``spmd.reinterpret``.
+whose backward leaves the gradient's data as it is (a ``reinterpret`` whose
+dual is again a ``reinterpret``: ``V -> P``, ``R -> V``, ``R -> P``); any
+other change has a backward that changes the gradient, which the in-place
+retype cannot record (``I -> R`` all-reduces it, ``R -> I`` keeps it on one
+rank): use ``spmd.reinterpret``. A tensor typed on another presentation of the
+ranks is first presented on the current mesh (by regions, never by names).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .._core.mesh import current_mesh, resolve_axes
 from .._core.state import STATE
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
 from .._local.transitions import backward_of, find
+from .reading import rehome_here
+from .trace import log_op
 
 __all__ = ["mutate_type"]
 
@@ -47,12 +51,13 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
                       [("tensor", "untyped")], ["spmd.assert_type(t, {...}) first"]),
             user_source_line(),
         )
+    types = rehome_here(tensor, "spmd.mutate_type")
     updates = _updates(types, axis, src, dst)
     carries_grad = tensor.requires_grad and torch.is_grad_enabled()
     new = types
     for name, s, d in updates:
         have = types.get(name)
-        if not compatible(have, s):
+        if not compatible(have, s, tensor.dim()):
             raise SpmdTypeError(
                 Rejection(f"spmd.mutate_type's src= must be the tensor's type: src={s}, but the tensor is {have} "
                           f"on axis '{name}'.", [("tensor", types.format()), ("axis", f"'{name}': {have} is not {s}")],
@@ -62,13 +67,16 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
         if carries_grad and not _gradient_safe(have, d):
             raise SpmdTypeError(
                 Rejection(f"spmd.mutate_type cannot change {have} to {d} on axis '{name}' of a tensor that carries a "
-                          "gradient: that change needs a backward (communication) an in-place retype cannot record.",
+                          "gradient: that change's backward changes the gradient, which an in-place retype cannot "
+                          "record.",
                           [("tensor", types.format())],
-                          [f"x = spmd.reinterpret(x, '{name}', src={s.code()}, dst={d.code()})"]),
+                          _retype_fixes(name, have, d)),
                 user_source_line(),
             )
         new = new.replace(name, d)
     tensor._spmd_types = new  # type: ignore[attr-defined]
+    if STATE.tracing:
+        log_op("mutate_type", [types], tensor)
     return tensor
 
 
@@ -107,6 +115,13 @@ def _by_name(types: Mapping[Any, Any], what: str) -> dict[str, SpmdType]:
 def _type(t: Any, what: str) -> SpmdType:
     t = check_type_value(t, f"spmd.mutate_type: {what}")
     return V if t.is_varying else t  # S(d) is V locally
+
+
+def _retype_fixes(name: str, have: SpmdType, dst: SpmdType) -> list[str]:
+    """The retype that records its backward: a reinterpret, when seed 003's table has one (P -> V has none)."""
+    if find("reinterpret", have, dst) is not None:
+        return [f"x = spmd.reinterpret(x, '{name}', src={have.code()}, dst={dst.code()})"]
+    return []
 
 
 def _gradient_safe(have: SpmdType | None, dst: SpmdType) -> bool:

@@ -16,6 +16,7 @@ import torch
 from .._core.async_tensor import settled
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
+from .._core.spaces import rehome
 from .._core.spec import format_shape, short_dtype
 from .._core.state import STATE
 from .._core.types import I, P, R, TypeMap, V
@@ -139,6 +140,8 @@ class LTensor(torch.Tensor):
 
 def _typed_call(func, args, kwargs):
     """Check ``func(*args, **kwargs)`` against the rules, run it, and type its result."""
+    if STATE.global_mode:
+        _onto_current_mesh(func, args, kwargs)
     key = [func]
     for a in args:
         key.append(_marker(a))
@@ -167,6 +170,28 @@ def _typed_call(func, args, kwargs):
     if out_types is None:
         return out
     return _wrap(out, out_types)
+
+
+def _onto_current_mesh(func, args, kwargs) -> None:
+    """Global SPMD reads partition specs by the current mesh's names: an operand typed on another presentation of
+    the ranks (``spmd.reinterpret_mesh``'s rule) moves onto it first, type and spec, or the op is refused."""
+    mesh = current_mesh()
+    if mesh is None:
+        return
+    space = mesh.space
+    for a in (*args, *kwargs.values()):
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
+            if types is None or types.space is None or types.space is space:
+                continue
+            why = rehome(t, space)
+            if why is not None:
+                raise SpmdTypeError(
+                    Rejection(f"Global SPMD: {entry_for(func).display} has an operand typed on another mesh, and it "
+                              f"cannot move onto the current one: {why}.", [("operand", types.format())],
+                              ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks first"]),
+                    user_source_line(),
+                )
 
 
 def _register_typed_hook(func, args, kwargs):

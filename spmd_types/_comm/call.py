@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
+from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh, resolve_axis
@@ -275,9 +276,13 @@ def check_input(opname: str, x: torch.Tensor, comm: AxisComm, src: SpmdType, dst
             raise untyped_input(opname, _call_text(opname, comm, src, dst), comm.names, src)
         return None
     types = _on_current_mesh(opname, x, types)
+    with _DisableTF():
+        ndim = x.dim()
     for name in comm.names:
         have = types.get(name)
-        if not compatible(have, src):
+        if have is None and name not in types.axes():
+            _reject_outside(opname, x, types, comm, src, dst)
+        if not compatible(have, src, ndim):  # S(-1) is S(ndim - 1)
             _reject_src(opname, x, types, comm, name, have, src, dst)
     return types
 
@@ -299,6 +304,23 @@ def _on_current_mesh(opname: str, x: torch.Tensor, types: TypeMap) -> TypeMap:
             user_source_line(),
         )
     return found[0]
+
+
+def _reject_outside(opname: str, x: torch.Tensor, types: TypeMap, comm: AxisComm, src: SpmdType,
+                    dst: SpmdType) -> None:
+    """A typed input to a collective over a group that is no axis of the current mesh: its type says nothing there."""
+    mesh = current_mesh()
+    shown = ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes) if mesh is not None else "none"
+    raise SpmdTypeError(
+        Rejection(
+            f"{opname} runs over a process group (ranks {region_of_group(comm.group).layout()}) that is not an axis "
+            "of the current mesh, nor a flattening of its axes, so the input's type says nothing about it.",
+            [("op", _call_text(opname, comm, src, dst)), ("input", format_tensor_type(x, types)),
+             ("current mesh", shown)],
+            ["run it over an axis of the current mesh (its name or its group), or over a group of several of them"],
+        ),
+        user_source_line(),
+    )
 
 
 def _call_text(opname: str, comm: AxisComm, src: SpmdType, dst: SpmdType) -> str:
@@ -438,6 +460,8 @@ def type_result(begun: Begun, x: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     out = _wrap(out, types)
     if spec is not None:
         out._spmd_spec = spec
+    if STATE.tracing:
+        log_op(begun.opname, [x], out)
     return out
 
 

@@ -10,17 +10,18 @@ moves back the same way.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from .._checker.tensor import _DisableTF, make_typed
-from .._core.axes import MeshAxis
+from .._checker.tensor import make_typed
+from .._checker.trace import log_op
+from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import Mesh, current_mesh
-from .._core.spaces import GroupMove, move_types
+from .._core.mesh import Mesh, current_mesh, resolve_axis
+from .._core.spaces import GroupMove, move_spec, move_types
 from .._core.state import STATE
-from .._core.types import Space
+from .._core.types import Space, SpmdType, TypeMap, compatible
 
 __all__ = ["reinterpret_mesh", "space_of"]
 
@@ -29,10 +30,11 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
     """``x`` retyped onto ``mesh`` (default: the current mesh), a presentation of the same ranks.
 
     ``mesh`` is a ``DeviceMesh``, a ``{name: ProcessGroup}`` or ``{name: MeshAxis}``
-    dict, or a collection of ``MeshAxis`` (``spmd.current_mesh()``). Axes over
-    the same ranks keep their type; the others must flatten into each other
-    group by group with one type per group, else ``SpmdTypeError``. Outside
-    :func:`typecheck` (or on a plain tensor) ``x`` comes back unchanged.
+    dict, a collection of ``MeshAxis`` (``spmd.current_mesh()``), or the target
+    type itself, ``{axis: type}`` (the axes, checked against the moved type).
+    Axes over the same ranks keep their type; the others must flatten into each
+    other group by group with one type per group, else ``SpmdTypeError``.
+    Outside :func:`typecheck` (or on a plain tensor) ``x`` comes back unchanged.
 
     Example::
 
@@ -42,6 +44,10 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
     types = getattr(x, "_spmd_types", None)
     if not STATE.checking or types is None:
         return x
+    declared = None
+    if isinstance(mesh, Mapping) and mesh and all(isinstance(t, SpmdType) for t in mesh.values()):
+        declared = {_region(k): t for k, t in mesh.items()}  # {axis: type}: the target's axes, and a check
+        mesh = frozenset(declared)
     target = space_of(mesh)
     found = move_types(types, target)
     if isinstance(found, str):
@@ -54,13 +60,45 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
             user_source_line(),
         )
     moved, groups = found
+    if declared is not None:
+        _check_declared(types, moved, target, declared)
     if moved is types:
         return x
     spec = getattr(x, "_spmd_spec", None)
     out = make_typed(x, moved)
     if spec is not None:
         out._spmd_spec = _move_spec(spec, groups)
+    if STATE.tracing:
+        log_op("spmd.reinterpret_mesh", [x], out)
     return out
+
+
+def _region(axis: Any) -> MeshAxis:
+    """A key of a declared target type as a region: a MeshAxis, a ProcessGroup, or a name of the current mesh."""
+    if isinstance(axis, str):
+        mesh = current_mesh()
+        if mesh is None:
+            raise RuntimeError(f"spmd.reinterpret_mesh: axis {axis!r} is a name, but no mesh is current")
+        return mesh.region(resolve_axis(axis))
+    return axis if isinstance(axis, MeshAxis) else region_of_group(axis)
+
+
+def _check_declared(types: TypeMap, moved: TypeMap, target: Space, declared: dict) -> None:
+    """The moved type must be what the caller declared, axis by axis."""
+    names = {region: name for name, region in target.pairs}
+    for region, want in declared.items():
+        name = names.get(region)
+        have = moved.get(name) if name is not None else None
+        if name is not None and not compatible(have, want):
+            raise SpmdTypeError(
+                Rejection(
+                    f"spmd.reinterpret_mesh: the tensor's type moves onto axis '{name}' as {have}, and the declared "
+                    f"type says {want}.",
+                    [("types", types.format()), ("moved", moved.format())],
+                    [f"declare {have} on '{name}', or change the type on the source mesh first"],
+                ),
+                user_source_line(),
+            )
 
 
 def space_of(mesh: Any) -> Space:
@@ -79,26 +117,15 @@ def space_of(mesh: Any) -> Space:
 
 
 def _move_spec(spec: tuple, groups: list[GroupMove]) -> tuple:
-    """A partition spec with each moved group's axes replaced, where they appear together and in order."""
-    rename = {src: dst for src, dst in groups}
-    out = []
-    for entry in spec:
-        names, i, new = list(entry), 0, []
-        while i < len(names):
-            for src, dst in rename.items():
-                if tuple(names[i:i + len(src)]) == src:
-                    new.extend(dst)
-                    i += len(src)
-                    break
-            else:
-                raise SpmdTypeError(
-                    Rejection(
-                        "spmd.reinterpret_mesh: a dim's sharding splits a group of axes that moves as one.",
-                        [("spec", str(spec)), ("groups", ", ".join(f"{s} -> {d}" for s, d in rename.items()))],
-                        ["gather the dim first, or shard it on the whole group in order"],
-                    ),
-                    user_source_line(),
-                )
-        out.append(tuple(new))
-    with _DisableTF():
-        return tuple(out)
+    """``spec`` renamed group by group (``_core/spaces.py``), or the error saying which dim blocks it."""
+    moved = move_spec(spec, groups)
+    if isinstance(moved, str):
+        raise SpmdTypeError(
+            Rejection(
+                f"spmd.reinterpret_mesh: the tensor's partition spec cannot move onto the target mesh: {moved}.",
+                [("spec", str(spec))],
+                ["gather the dim first, or shard it on the whole group in order"],
+            ),
+            user_source_line(),
+        )
+    return moved

@@ -49,6 +49,8 @@ def _atoms_of_ranks(zero_based: Sequence[int]) -> Atoms | None:
         size = 1
         while all(c + size * stride in wanted for c in covered):
             size += 1
+        if size == 1:  # the next rank does not extend every covered rank: no mixed-radix layout
+            return None
         atoms.append((size, stride))
         covered = [c + j * stride for j in range(size) for c in covered]
         if len(set(covered)) != len(covered) or not set(covered) <= wanted:
@@ -164,10 +166,11 @@ class MeshAxis:
         return "(" + ",".join(str(s) for s, _ in atoms) + "):(" + ",".join(str(d) for _, d in atoms) + ")"
 
     def __repr__(self) -> str:
-        names = _NAMES.get(self)
-        if names:
-            return sorted(names)[0]
-        return f"MeshAxis({self.layout()})"
+        name = CURRENT_NAME[0](self)  # the innermost current mesh's name for it, if it has one
+        if name is None:
+            names = _NAMES.get(self)
+            name = names[-1] if names else None  # else the name a mesh gave it last
+        return name if name is not None else f"MeshAxis({self.layout()})"
 
 
 def orthogonal(axes: Sequence[MeshAxis]) -> bool:
@@ -188,27 +191,36 @@ def orthogonal(axes: Sequence[MeshAxis]) -> bool:
 def flatten(axes: Sequence[MeshAxis]) -> MeshAxis:
     """The region of several orthogonal axes taken together (a flattened group over them)."""
     if not orthogonal(axes):
-        raise ValueError(f"cannot flatten axes that are not independent dims of one mesh: {list(axes)}")
+        raise ValueError("cannot flatten axes that are not independent dims of one mesh: "
+                         + ", ".join(a.layout() for a in axes))
     if any(a.atoms is None for a in axes):
         big = [a for a in axes if a.size() > 1]
         return big[0] if big else MeshAxis(())
     return MeshAxis(_coalesce(itertools.chain.from_iterable(a.atoms for a in axes)))  # type: ignore[arg-type]
 
 
-# names for display, from the meshes that named each region
-_NAMES: dict[MeshAxis, set[str]] = {}
+# names for display, from the meshes that named each region (most recent last)
+_NAMES: dict[MeshAxis, list[str]] = {}
+# how the current mesh names a region (set by _core/mesh.py, which knows the current mesh)
+CURRENT_NAME: list = [lambda region: None]
 _GROUP_REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def name_region(region: MeshAxis, name: str) -> None:
     """Remember that a mesh called ``region`` ``name`` (for ``repr``)."""
     if region.size() > 1:
-        _NAMES.setdefault(region, set()).add(name)
+        names = _NAMES.setdefault(region, [])
+        if name in names:
+            names.remove(name)
+        names.append(name)
 
 
 def region_of_group(group: Any) -> MeshAxis:
     """The region a ProcessGroup runs over (cached per group); an object with ``__mesh_axis__()`` gives its own."""
-    found = _GROUP_REGIONS.get(group)
+    try:
+        found = _GROUP_REGIONS.get(group)
+    except TypeError:  # not weak-referenceable: not a group, nor cached
+        found = None
     if found is not None:
         return found
     own = getattr(group, "__mesh_axis__", None)

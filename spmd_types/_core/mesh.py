@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Mapping, Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import axes as _axes
 from .axes import MeshAxis, flatten, name_region, orthogonal, region_of_group
 from .types import Space
 
@@ -301,6 +302,18 @@ def current_mesh_all_names() -> dict[str, MeshAxis] | None:
     """``{name: MeshAxis}`` for every axis of the current mesh (size 1 included), or None."""
     mesh = current_mesh()
     return None if mesh is None else {n: mesh.region(n) for n in mesh.axis_names}
+
+
+def _current_name(region: MeshAxis) -> str | None:
+    """The innermost current mesh's name for ``region`` (how ``repr(MeshAxis)`` prefers to show it)."""
+    mesh = current_mesh()
+    if mesh is None or region.size() <= 1:
+        return None
+    found = mesh.axes_for_region(region)
+    return found[0] if found is not None and len(found) == 1 else None
+
+
+_axes.CURRENT_NAME[0] = _current_name
 
 
 def mesh_stack() -> tuple[Mesh, ...]:

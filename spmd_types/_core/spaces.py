@@ -15,12 +15,12 @@ Anything else is refused with the reason, never guessed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from .axes import MeshAxis, flatten
 from .types import Space, SpmdType, TypeMap
 
-__all__ = ["move_types", "GroupMove"]
+__all__ = ["move_types", "move_spec", "rehome", "GroupMove"]
 
 GroupMove = tuple[tuple[str, ...], tuple[str, ...]]  # (source names, target names), outermost first
 
@@ -107,3 +107,50 @@ def _size(group: list) -> int:
 
 def _leftover(src: list, dst: list) -> str:
     return f"{_names(src) if src else '()'} against {_names(dst) if dst else '()'}"
+
+
+def move_spec(spec: tuple, groups: Sequence[GroupMove]) -> tuple | str:
+    """A partition spec (names per dim) with each moved group's axes renamed; or why it cannot move.
+
+    A group's axes must appear together and in order on one dim (``(dp, cp)`` becomes
+    ``(dp_cp,)``); a dim sharded on part of a group that moves as one has no name on
+    the target mesh.
+    """
+    rename = dict(groups)
+    out = []
+    for entry in spec:
+        names, i, new = list(entry), 0, []
+        while i < len(names):
+            for src, dst in rename.items():
+                if tuple(names[i:i + len(src)]) == src:
+                    new.extend(dst)
+                    i += len(src)
+                    break
+            else:
+                return (f"dim {len(out)} is sharded on {tuple(entry)}, which splits a group of axes that moves "
+                        f"as one ({', '.join(f'{s} -> {d}' for s, d in rename.items() if len(s) + len(d) > 2)})")
+        out.append(tuple(new))
+    return tuple(out)
+
+
+def rehome(t: Any, target: Space) -> str | None:
+    """Store typed ``t``'s type and partition spec as presented on ``target``, in place; None, or why it cannot move.
+
+    The meaning does not change (the same ranks, renamed and flattened), so the
+    same object may carry either presentation.
+    """
+    types: TypeMap = t._spmd_types
+    if types.space is None or types.space is target:
+        return None
+    found = move_types(types, target)
+    if isinstance(found, str):
+        return found
+    moved, groups = found
+    spec = getattr(t, "_spmd_spec", None)
+    if spec is not None:
+        new_spec = move_spec(spec, groups)
+        if isinstance(new_spec, str):
+            return new_spec
+        t._spmd_spec = new_spec
+    t._spmd_types = moved
+    return None

@@ -22,7 +22,7 @@ import os
 import sys
 import traceback
 import types
-from typing import Any, Iterator
+from typing import Any
 
 from .errors import SpmdTypeError
 
@@ -71,9 +71,58 @@ def filter_traceback(tb: types.TracebackType | None) -> types.TracebackType | No
     return out
 
 
-@contextlib.contextmanager
-def traceback_filtering(mode: str = "auto") -> Iterator[None]:
+NOTE = ("spmd_types left its own and torch's frames out of this traceback; "
+        "SPMD_TYPES_TRACEBACK_FILTERING=off (or spmd.traceback_filtering('off')) keeps them")
+
+
+class _Filtering:
+    """The block :func:`traceback_filtering` returns: sets the mode inside; filters an SpmdTypeError leaving it.
+
+    A class, not a generator: ``contextlib.contextmanager`` puts the original
+    traceback back on an exception that leaves its block, which would undo the filtering.
+    """
+
+    __slots__ = ("mode", "saved")
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.saved = mode
+
+    def __enter__(self) -> None:
+        self.saved = _MODE[0]
+        _MODE[0] = self.mode
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: types.TracebackType | None) -> bool:
+        try:
+            if isinstance(err, SpmdTypeError) and not getattr(err, "_spmd_filtered", False):
+                resolved = _mode()  # the innermost block's mode decides
+                if resolved in ("quiet_remove_frames", "remove_frames"):
+                    _filter(err, keep_full=resolved == "remove_frames")
+        finally:
+            _MODE[0] = self.saved
+        return False
+
+
+def _filter(err: SpmdTypeError, keep_full: bool) -> None:
+    """Rebuild ``err``'s traceback without internal frames, once, with one note saying how to see them."""
+    full = err.__traceback__
+    if keep_full:
+        unfiltered = UnfilteredStackTrace("the full traceback of the SpmdTypeError below")
+        unfiltered.__traceback__ = full
+        unfiltered.__cause__ = err.__cause__
+        err.__cause__ = unfiltered
+    err.__traceback__ = filter_traceback(full)
+    err.add_note(NOTE)
+    err._spmd_filtered = True  # type: ignore[attr-defined]  # nested blocks filter once
+
+
+def traceback_filtering(mode: str = "auto") -> _Filtering:
     """Filter the traceback of an SpmdTypeError leaving the block (and set the mode inside it).
+
+    Modes: ``off``, ``auto`` (the default), ``tracebackhide``,
+    ``quiet_remove_frames``, ``remove_frames`` (the full traceback kept as
+    ``__cause__``); an unknown mode is a ``ValueError``. A filtered error
+    carries one note saying how to see every frame.
 
     Example::
 
@@ -84,18 +133,4 @@ def traceback_filtering(mode: str = "auto") -> Iterator[None]:
     """
     if mode not in MODES:
         raise ValueError(f"traceback_filtering: mode must be one of {', '.join(MODES)}; got {mode!r}")
-    saved = _MODE[0]
-    _MODE[0] = mode
-    try:
-        yield
-    except SpmdTypeError as err:
-        resolved = _mode()
-        if resolved in ("quiet_remove_frames", "remove_frames"):
-            if resolved == "remove_frames":
-                full = UnfilteredStackTrace("the full traceback of the SpmdTypeError above")
-                full.__traceback__ = err.__traceback__
-                err.__cause__ = full
-            raise err.with_traceback(filter_traceback(err.__traceback__)) from err.__cause__
-        raise
-    finally:
-        _MODE[0] = saved
+    return _Filtering(mode)

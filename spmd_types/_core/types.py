@@ -42,6 +42,12 @@ class SpmdType:
     __slots__ = ("_short", "_long")
 
     def __init__(self, short: str, long: str) -> None:
+        if not (isinstance(short, str) and isinstance(long, str)):
+            raise TypeError(
+                "spmd.SpmdType is one axis's type here (spmd.R, spmd.I, spmd.V, spmd.P, spmd.S(d)), not built from "
+                "arguments; the published API's SpmdType(local_type, partition_spec) is not built: give both to "
+                "spmd.assert_type(x, types, partition_spec)"
+            )
         object.__setattr__(self, "_short", short)
         object.__setattr__(self, "_long", long)
 
@@ -188,10 +194,15 @@ def backward_type(t: SpmdType) -> SpmdType:
         raise TypeError(f"backward_type needs an SPMD type (R, I, V, P, S(d)), got {t!r}") from None
 
 
-def compatible(have: SpmdType | None, want: SpmdType) -> bool:
-    """Does a value of type ``have`` satisfy an expected ``want``? S(d) refines V (and, locally, V may be any S(d))."""
+def compatible(have: SpmdType | None, want: SpmdType, ndim: int | None = None) -> bool:
+    """Does a value of type ``have`` satisfy an expected ``want``? S(d) refines V (and, locally, V may be any S(d)).
+
+    Given the tensor's ``ndim``, ``S(-1)`` and ``S(ndim - 1)`` are the same layout.
+    """
     if have is want:
         return True
+    if ndim and isinstance(have, Shard) and isinstance(want, Shard):
+        return have.dim % ndim == want.dim % ndim
     return have is not None and have.is_varying and want.is_varying and (have is V or want is V)
 
 
