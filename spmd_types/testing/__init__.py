@@ -368,3 +368,7 @@ def _one_copy(t: torch.Tensor) -> torch.Tensor:
 
 def _mesh_groups(mesh) -> dict:
     return {mesh.get_group(n): n for n in mesh.mesh_dim_names}
+
+from .equivalence import DivergenceError, EquivalenceReport, check_equivalence  # noqa: E402
+
+__all__ += ["check_equivalence", "EquivalenceReport", "DivergenceError"]
