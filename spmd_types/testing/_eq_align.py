@@ -242,6 +242,8 @@ def assemble(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given_d
     """Reassemble ``snap``'s per-rank values into one tensor, axis by axis, innermost axis first."""
     if snap.why_not is not None:
         return Assembled(None, reason=snap.why_not)
+    if set(snap.values) != set(mesh.coords):
+        return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation?)")
     shapes = {tuple(v.shape) for v in snap.values.values()}
     if len(shapes) > 1:
         return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)})")

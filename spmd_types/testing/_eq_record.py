@@ -56,6 +56,8 @@ class Snapshot:
 
 
 def _plain_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    if type(t).__name__ == "AsyncCollectiveTensor":  # a functional collective's pending result (DTensor's)
+        t = t.elem  # type: ignore[attr-defined]
     if hasattr(t, "_local_tensors"):
         return {r: v.to(torch.float64, copy=True) for r, v in rank_values(t).items()}
     with torch._C.DisableTorchFunctionSubclass():

@@ -108,7 +108,7 @@ class EquivalenceReport:
         width = max(100, 72 + max((len(c.name) for c in self.compared), default=0))
         buf = io.StringIO()
         Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False, emoji=False,
-                legacy_windows=False).print(_renderable(self, color=False))
+                legacy_windows=False, soft_wrap=True).print(_renderable(self, color=False))
         return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
 
     def __repr__(self) -> str:
