@@ -150,7 +150,7 @@ def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, to
             if tuple(piece.shape) != tuple(local.shape):
                 how = "its layout gives" if layout is not None else f"cut by its type {_fmt_types(types)} gives"
                 raise ValueError(
-                    f"check_equivalence: parameter '{name}' {how} {list(piece.shape)} on rank {rank} from the "
+                    f"check_equivalence: parameter '{name}': {how} {list(piece.shape)} on rank {rank} from the "
                     f"reference's {list(full.shape)}, but the parallel parameter is {list(local.shape)}: build() must "
                     "make the same model on both meshes"
                 )
