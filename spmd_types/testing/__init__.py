@@ -1,4 +1,4 @@
-"""Test helpers: count communication, build per-rank values, compute denotations.
+"""Test helpers: count communication, build per-rank values, compute denotations, check against one device.
 
 For single-process simulations with torch's ``LocalTensorMode`` (every rank
 in one process, real values) on a fake process group::
@@ -23,10 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.types import I, P, R, SpmdType, V, backward_type
 from ._simulate import _coords, _outside_simulation, per_rank, rank_values, simulate
+from .equivalence import DivergenceError, EquivalenceReport, check_equivalence
 
 __all__ = [
     "CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks", "random_value", "simulate",
-    "verify_registration", "VerifyReport",
+    "verify_registration", "VerifyReport", "check_equivalence", "EquivalenceReport", "DivergenceError",
 ]
 
 # ``_c10d_functional`` op name -> the short name the counter reports.
@@ -368,7 +369,3 @@ def _one_copy(t: torch.Tensor) -> torch.Tensor:
 
 def _mesh_groups(mesh) -> dict:
     return {mesh.get_group(n): n for n in mesh.mesh_dim_names}
-
-from .equivalence import DivergenceError, EquivalenceReport, check_equivalence  # noqa: E402
-
-__all__ += ["check_equivalence", "EquivalenceReport", "DivergenceError"]
