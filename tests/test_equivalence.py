@@ -399,8 +399,27 @@ check_equivalence: tp=2 (simulated) against one device, float64
  4   grad     scale             0     4.0e-09   ok
 
 2 of 4 compared values diverged. The first: output of Exact, max error 1.0e+00 > tolerance 3.1e-08 (reference norm 3.1e+01)
-  at: tests/test_equivalence.py:{line + 1}: return spmd.all_reduce(partial, "tp", src=V, dst=I)
-"""
+  at: tests/test_equivalence.py:{line + 1}: return spmd.all_reduce(partial, "tp", src=V, dst=I)"""
+
+
+def test_the_docs_page_example_prints_what_the_page_shows(tmp_path, monkeypatch):
+    import contextlib
+    import io
+    import linecache
+    import re
+    import runpy
+
+    page = (HERE.parents[1] / "docs" / "equivalence.md").read_text()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", page, flags=re.S | re.M)
+    code, (lang, shown) = blocks[0][1], blocks[1]
+    assert blocks[0][0] == "python" and lang == "text"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.py").write_text(code)
+    linecache.clearcache()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path("model.py", run_name="__main__")
+    assert printed.getvalue() == shown
 
 
 # ---------------------------------------------------------------------------

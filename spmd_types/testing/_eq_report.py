@@ -109,7 +109,7 @@ class EquivalenceReport:
         buf = io.StringIO()
         Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False, emoji=False,
                 legacy_windows=False, soft_wrap=True).print(_renderable(self, color=False))
-        return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
+        return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else f"first={self.first.name!r} ({self.first.kind})"  # type: ignore[union-attr]
