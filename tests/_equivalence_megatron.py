@@ -5,7 +5,7 @@ forward with labels (per-token losses), the mean over this rank's micro-batch, b
 gradient sync of ``finalize_model_grads`` written with typed collectives (sequence-parallel norms
 summed over tp, every gradient averaged over dp), one SGD step; the loss is reported averaged over
 dp. Megatron itself is never edited: each bug is a test-local copy of one Megatron function with one
-line changed (``monkeypatch``), a checkpoint loader, or a line of the trainer.
+line changed (``monkeypatch``), a checkpoint loader, or a dropout in the wrong RNG stream.
 """
 
 from __future__ import annotations
@@ -75,9 +75,8 @@ def _model_parallel_rng():
         yield
 
 
-def step(model, batch: dict, mesh, bug: str = "none") -> torch.Tensor:
-    """One training step; ``bug`` plants a trainer mistake."""
-    dp = mesh.size(0)
+def step(model, batch: dict, mesh) -> torch.Tensor:
+    """One training step (the trainer's own mistakes are planted in test_equivalence_gpt.py's trainer)."""
     with spmd.set_current_mesh(spmd_megatron.mesh()):
         per_token = model(batch["tokens"], batch["positions"], batch["mask"], labels=batch["labels"])
         loss = per_token.mean()
@@ -87,11 +86,8 @@ def step(model, batch: dict, mesh, bug: str = "none") -> torch.Tensor:
             if spmd.get_type(grad)["tp"] is P:  # sequence-parallel norms: each tp rank holds a share
                 grad = spmd.all_reduce(grad, "tp", src=P, dst=R)
             p.grad = spmd.all_reduce(grad, "dp", src=P, dst=R, op="avg")
-            if bug == "grads-averaged-twice":
-                p.grad.div_(dp)  # BUG: the average was already taken
         torch.optim.SGD(model.parameters(), lr=0.1).step()
-        reduce = "sum" if bug == "loss-not-averaged" else "avg"  # BUG (sum): the logged loss is dp times too big
-        return spmd.all_reduce(loss.detach(), "dp", src=V, dst=I, op=reduce)
+        return spmd.all_reduce(loss.detach(), "dp", src=V, dst=I, op="avg")
 
 
 # ---------------------------------------------------------------------------

@@ -75,9 +75,11 @@ def test_the_three_public_names():
 
 
 def test_a_correct_step_is_ok_and_compares_every_kind_in_order():
+    rng = torch.get_rng_state()
     report = check_equivalence(lambda mesh: MLP(mesh.size(1)), lambda m, b, mesh: mlp_step(m, b, mesh, True),
                                mlp_batch(), output_dims={"*": {"dp": 0}})
     assert isinstance(report, EquivalenceReport)
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's random stream is left as it was
     assert report.ok and report.first is None and report.divergences == []
     report.raise_if_diverged()
     got = [(c.kind, c.name) for c in report.compared]
@@ -348,6 +350,8 @@ def test_an_ambiguous_v_is_not_compared_with_its_reason():
     got = assemble(_snap({"dp": R, "tp": V}, pieces), MESH, (4, 4), None, 0.0)
     assert got.reason == ("V on 'tp' with no dim that makes the reference's shape [4, 4] from the local [2, 2]: its "
                           "layout is unknown")
+    got = assemble(_snap({"dp": V, "tp": R}, {r: torch.tensor(1.0) for r in MESH.coords}), MESH, (), {"dp": 0}, 0.0)
+    assert got.reason == "V on 'dp' on dim 0, but the value has 0 dims (shape [])"
 
 
 def test_disagreeing_copies_of_an_invariant_value_name_their_ranks():

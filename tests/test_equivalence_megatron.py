@@ -31,10 +31,9 @@ def cpu(monkeypatch):
     ps.destroy_model_parallel()
 
 
-def _check(sp: bool = False, bug: str = "none", layouts=None, **build):
-    return check_equivalence(lambda mesh: M.build(mesh, sp, **build),
-                             lambda model, batch, mesh: M.step(model, batch, mesh, bug),
-                             M.batch(), output_dims=M.OUTPUT_DIMS, layouts=layouts)
+def _check(sp: bool = False, layouts=None, **build):
+    return check_equivalence(lambda mesh: M.build(mesh, sp, **build), M.step, M.batch(), output_dims=M.OUTPUT_DIMS,
+                             layouts=layouts)
 
 
 def _where(source: str) -> str:

@@ -213,8 +213,10 @@ def _v_dims(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given: M
             d = snap.dims.get(axis, (given or {}).get(axis))
         if d is None:
             unknown.append(axis)
+        elif not -nd <= d < nd:
+            return f"V on '{axis}' on dim {d}, but the value has {nd} dims (shape {list(local)})"
         else:
-            dims[axis] = d % nd if nd else d
+            dims[axis] = d % nd
     if not unknown:
         return dims
     sizes = dict(zip(mesh.names, mesh.sizes))

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from .._core.dtensor_hook import is_dtensor
 from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, tolerance
 from ._eq_record import Recorder, Snapshot, format_source, per_rank_group_ranks, snapshot
 from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NotCompared
@@ -99,7 +100,16 @@ def check_equivalence(
     mesh_shape, names = tuple(mesh_shape), tuple(names)
     _check_arguments(mesh_shape, names, batch, dtype)
     spec = _Spec(build, step, batch, names, layouts, seed)
-    one = tuple(1 for _ in names)
+    rng = torch.get_rng_state()  # the runs seed torch's generator; the caller's stream is left as it was
+    try:
+        return _check(spec, mesh_shape, output_dims, state_dict, dtype)
+    finally:
+        torch.set_rng_state(rng)
+
+
+def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, Mapping[str, int]] | None,
+           state_dict: Mapping[str, torch.Tensor] | None, dtype: torch.dtype) -> EquivalenceReport:
+    one = tuple(1 for _ in spec.names)
     held: list[BaseException] = []
     ref = _attempt(spec, one, dtype, state_dict, False, held)
     if ref.initial is None:
@@ -121,9 +131,10 @@ def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch:
     if dtype not in _DTYPES:
         raise ValueError(f"check_equivalence: dtype must be one of float64, float32, bfloat16, float16; got {dtype}")
     for key, entry in batch.items():
-        full = entry[0] if isinstance(entry, tuple) else entry
-        types = entry[1] if isinstance(entry, tuple) else None
-        if not isinstance(full, torch.Tensor) or not (types is None or isinstance(types, Mapping)):
+        pair = isinstance(entry, tuple) and len(entry) == 2
+        full, types = (entry if pair else (entry, None))
+        if (isinstance(entry, tuple) and not pair) or not isinstance(full, torch.Tensor) or not (
+                types is None or isinstance(types, Mapping)):
             raise TypeError(f"check_equivalence: batch entry '{key}' must be (global tensor, {{axis: type}}) or a "
                             f"tensor, got {type(entry).__name__}")
         extra = [a for a in (types or {}) if a not in names]
@@ -191,7 +202,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
 
 def _whole(p: torch.Tensor) -> torch.Tensor:
     """Rank 0's value (on the one-device mesh: the whole parameter), a plain detached copy."""
-    base = p._local_tensor if hasattr(p, "_local_tensor") and hasattr(p, "placements") else p
+    base = p._local_tensor if is_dtensor(p) else p
     if hasattr(base, "_local_tensors"):
         return rank_values(base)[0].clone()
     with torch._C.DisableTorchFunctionSubclass():
