@@ -84,8 +84,10 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"check_equivalence, 2-layer GPT (hidden {args.hidden}), dp=2 x tp=2 simulated, "
-                        f"{args.dtype}, median of {args.repeat}")
+    console = Console(width=100)
+    console.print(f"check_equivalence, 2-layer GPT (hidden {args.hidden}), dp=2 x tp=2 simulated, {args.dtype}, "
+                  f"median of {args.repeat}")
+    table = Table()
     for col in ("", "wall s", "cpu s"):
         table.add_column(col, justify="right")
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
@@ -93,7 +95,7 @@ def main() -> None:
     table.add_row("check_equivalence", f"{med['check'][0]:.2f}", f"{med['check'][1]:.2f}")
     table.add_row("overhead (check / bare)", f"{med['check'][0] / med['bare'][0]:.2f}x",
                   f"{med['check'][1] / med['bare'][1]:.2f}x")
-    Console(width=100).print(table)
+    console.print(table)
 
 
 if __name__ == "__main__":
