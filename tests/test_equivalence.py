@@ -340,6 +340,29 @@ def test_reassembly_by_type():
     assert torch.equal(got.value, x.double())
 
 
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = spmd.assert_type(nn.Parameter(torch.randn(4)), {"dp": R, "tp": R})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def test_a_v_output_takes_its_dims_from_its_partition_spec_in_global_spmd():
+    def step(model, batch, mesh, local):
+        with spmd.typecheck(local=local):
+            return spmd.sum(model(batch["x"]), out_partial_axes=("dp", "tp"))
+
+    batch = {"x": (torch.randn(4, 6, 4), {"dp": S(0), "tp": S(1)})}  # dims 0 and 1 both double: ambiguous by shape
+    report = check_equivalence(lambda mesh: Scale(), lambda m, b, mesh: step(m, b, mesh, False), batch)
+    assert report.ok and [c.name for c in report.compared] == ["Scale", "loss"] and report.not_compared == []
+    report = check_equivalence(lambda mesh: Scale(), lambda m, b, mesh: step(m, b, mesh, True), batch)
+    assert [(n.name, n.reason) for n in report.not_compared] == [(
+        "Scale", "V on 'dp' and 'tp': the shapes (local [2, 3, 4], reference [4, 6, 4]) fit several layouts ({dp: 0, "
+                 "tp: 1}, {dp: 1, tp: 0}); name the dims with output_dims={'Scale': {axis: dim}}")]
+
+
 def test_an_ambiguous_v_is_not_compared_with_its_reason():
     x = torch.arange(16.0).view(4, 4)
     pieces = {r: x[:2, :2] for r in MESH.coords}
