@@ -182,6 +182,14 @@ def test_names_calls_and_tuple_outputs():
     assert report.ok, report
     assert [c.name for c in report.compared] == ["block", "block#1", "Twice[0]", "Twice[1]", "loss", "block.weight"]
 
+    def step_float(model, batch, mesh):
+        return float(step(model, batch, mesh).detach().sum())  # a number, not a tensor: no type to line it up by
+
+    report = check_equivalence(lambda mesh: Twice(), step_float, {"x": (torch.randn(3, 4), {"tp": I})},
+                               mesh_shape=(2,), names=("tp",))
+    assert [(n.kind, n.name, n.reason) for n in report.not_compared] == [
+        ("loss", "loss", "step returned float, not a tensor")]
+
 
 def test_the_reference_starts_from_a_given_state_dict():
     seen = []

@@ -39,6 +39,7 @@ class _Run:
     grads: list[Snapshot] = field(default_factory=list)
     params: list[Snapshot] = field(default_factory=list)
     changed: bool = False  # some parameter changed during the step (an optimizer step ran)
+    mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
 
     def by_key(self) -> dict[tuple[str, str], Snapshot]:
         items = [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.params]
@@ -121,7 +122,7 @@ def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, M
     par = _run(spec, mesh_shape, dtype, ref.initial, True)  # its SpmdTypeError propagates as raised
     if held:
         raise held[0]
-    return _compare(ref, ref64, par, spec, mesh_shape, output_dims, dtype)
+    return _compare(ref, ref64, par, spec, output_dims, dtype)
 
 
 def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch: Mapping[str, Any],
@@ -175,7 +176,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         mesh = stack.enter_context(simulate(shape, spec.names, ranks="local", device="cpu"))
         if parallel:
             stack.enter_context(per_rank_group_ranks())
-        info = MeshInfo.of(mesh)
+        info = run.mesh = MeshInfo.of(mesh)
         torch.manual_seed(spec.seed)
         with spmd.typecheck():
             model = spec.build(mesh)
@@ -231,10 +232,11 @@ def _record_end(run: _Run, model: torch.nn.Module, loss: Any, recorder: Recorder
 # comparing the parallel run with the reference
 
 
-def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec, mesh_shape: tuple[int, ...],
+def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec,
              output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype) -> EquivalenceReport:
     ref_by, ref64_by = ref.by_key(), (ref64.by_key() if ref64 else {})
-    info = MeshInfo(spec.names, mesh_shape, _coords_of(mesh_shape))
+    info = par.mesh
+    assert info is not None
     compared: list[Comparison] = []
     skipped: list[NotCompared] = []
     items = [*par.outputs, *([par.loss] if par.loss else []), *par.grads]
@@ -243,8 +245,9 @@ def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec, mesh_shape: 
     for snap in items:
         key = (snap.kind, snap.key)
         mine = ref_by.get(key)
-        if mine is None or (mine.why_not and not mine.values):
-            skipped.append(NotCompared(snap.key, snap.kind, "not in the reference run"))  # type: ignore[arg-type]
+        if mine is None or not mine.values:
+            why = (mine.why_not if mine is not None else None) or "not in the reference run"
+            skipped.append(NotCompared(snap.key, snap.kind, why))  # type: ignore[arg-type]
             continue
         row = _compare_one(snap, mine, ref64_by.get(key), info, spec, output_dims, dtype)
         (skipped if isinstance(row, NotCompared) else compared).append(row)
@@ -252,15 +255,9 @@ def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec, mesh_shape: 
     for kind, key in ref_by:
         if (kind, key) not in seen and kind in ("output", "grad"):
             skipped.append(NotCompared(key, kind, "not in the parallel run"))  # type: ignore[arg-type]
-    world = " x ".join(f"{a}={n}" for a, n in zip(spec.names, mesh_shape))
+    world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
     title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
     return EquivalenceReport(compared, skipped, title=title)
-
-
-def _coords_of(shape: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
-    from ._simulate import _coords
-
-    return {i: c for i, c in enumerate(_coords(torch.Size(shape)))}
 
 
 def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, spec: _Spec,
@@ -276,10 +273,8 @@ def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: 
     else:
         given = match(output_dims, snap.module) if snap.module is not None else None
         got = assemble(snap, info, tuple(want.shape), given, tol)
-        reason, ranks = got.reason, got.ranks
-        if got.shape_error is not None:
-            err = math.inf
-        elif got.value is not None:
+        reason, ranks, err = got.reason, got.ranks, math.inf  # a reassembled shape unlike the reference's: inf
+        if got.value is not None and got.shape_error is None:
             err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
     if reason is not None:
         return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
