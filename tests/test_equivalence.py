@@ -67,6 +67,20 @@ def mlp_batch() -> dict:
     return {"x": (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), {"dp": S(0), "tp": I})}
 
 
+def test_a_typed_tensor_on_simulated_ranks_keeps_its_type_through_contiguous():
+    # LocalTensor.contiguous is its own autograd Function returning a plain LocalTensor; Megatron calls
+    # .transpose(0, 1).contiguous() on every activation, which lost its type under the simulation.
+    from spmd_types.testing import simulate
+
+    with simulate((2,), ("tp",), ranks="local", device="cpu"), spmd.typecheck():
+        x = spmd.assert_type(torch.randn(4, 3, requires_grad=True), {"tp": I})
+        y = x.transpose(0, 1).contiguous()
+        assert spmd.get_type(y) == {"tp": I} and spmd.get_type(x.contiguous()) == {"tp": I}
+        y.sum().backward()
+        assert spmd.get_type(x.grad) == {"tp": I}
+        assert all(torch.equal(g, torch.ones(4, 3)) for g in rank_values(x.grad).values())
+
+
 def test_the_three_public_names():
     import spmd_types.testing as testing
 
