@@ -83,7 +83,7 @@ def step(model, batch: dict, mesh) -> torch.Tensor:
         loss.backward()
         for p in model.parameters():
             grad = p.grad
-            if spmd.get_type(grad)["tp"] is P:  # sequence-parallel norms: each tp rank holds a share
+            if spmd.get_type(grad).get("tp") is P:  # sequence-parallel norms: each tp rank holds a share
                 grad = spmd.all_reduce(grad, "tp", src=P, dst=R)
             p.grad = spmd.all_reduce(grad, "dp", src=P, dst=R, op="avg")
         torch.optim.SGD(model.parameters(), lr=0.1).step()

@@ -475,8 +475,10 @@ def test_the_docs_page_example_prints_what_the_page_shows(tmp_path, monkeypatch)
 # a torchtitan-style DTensor model (tests/_dtensor_llama.py) at tp=2
 
 
-def test_torchtitan_style_dtensor_llama_at_tp2():
+def test_torchtitan_style_dtensor_llama_at_tp2(monkeypatch):
     import _dtensor_llama as L
+
+    monkeypatch.setitem(L._CORES, "none", L._sdpa)  # the attention core without the tensor-parallel local_map
 
     def step(model, batch, mesh):
         loss = F.cross_entropy(model(batch["tokens"]).flatten(0, 1), batch["targets"].flatten())
@@ -484,7 +486,15 @@ def test_torchtitan_style_dtensor_llama_at_tp2():
         return spmd.assert_type(loss, {"tp": I})  # the loss is a plain tensor (the logits' local value)
 
     tokens, targets = L.batch()
-    report = check_equivalence(lambda mesh: L.apply_tp(L.Llama(), mesh["tp"]), step,
+    def build(mesh):  # as torchtitan does: the tensor-parallel plan is applied when tp is enabled (> 1)
+        model = L.Llama()
+        if mesh.size(0) > 1:
+            return L.apply_tp(model, mesh["tp"])
+        for block in model.layers.values():
+            block.attention.core = "none"
+        return model
+
+    report = check_equivalence(build, step,
                                {"tokens": tokens, "targets": targets}, mesh_shape=(2,), names=("tp",))
     assert report.ok, report
     assert len([c for c in report.compared if c.kind == "grad"]) == 21

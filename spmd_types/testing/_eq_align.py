@@ -205,9 +205,9 @@ def _v_dims(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given: M
     dims: dict[str, int] = {}
     unknown: list[str] = []
     for axis, n in zip(mesh.names, mesh.sizes):
-        t = snap.types[axis]  # type: ignore[index]
-        if not t.is_varying or n == 1:
+        if n == 1 or not snap.types[axis].is_varying:  # type: ignore[index]
             continue
+        t = snap.types[axis]  # type: ignore[index]
         d = shard_dim(t)
         if d is None:
             d = snap.dims.get(axis, (given or {}).get(axis))
@@ -246,6 +246,9 @@ def assemble(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given_d
         return Assembled(None, reason=snap.why_not)
     if set(snap.values) != set(mesh.coords):
         return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation?)")
+    untyped = [a for a, n in zip(mesh.names, mesh.sizes) if n > 1 and a not in snap.types]  # type: ignore[operator]
+    if untyped:
+        return Assembled(None, reason=f"not typed on axis '{untyped[0]}'")
     shapes = {tuple(v.shape) for v in snap.values.values()}
     if len(shapes) > 1:
         return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)})")
@@ -256,7 +259,7 @@ def assemble(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given_d
     bad: set[int] = set()
     spread = 0.0
     for k in reversed(range(len(mesh.names))):
-        axis, t = mesh.names[k], snap.types[mesh.names[k]]  # type: ignore[index]
+        axis, t = mesh.names[k], snap.types.get(mesh.names[k], I)  # type: ignore[union-attr]
         groups: dict[tuple[int, ...], list[tuple[torch.Tensor, tuple[int, ...]]]] = {}
         for c in sorted(table):
             groups.setdefault(c[:k] + c[k + 1:], []).append(table[c])

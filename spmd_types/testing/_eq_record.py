@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.errors import _PKG_DIR
-from .._core.types import I, SpmdType
+from .._core.types import SpmdType
 from ._simulate import rank_values
 
 __all__ = ["Snapshot", "Recorder", "per_rank_group_ranks", "snapshot", "format_source", "module_names"]
@@ -95,10 +95,7 @@ def snapshot(t: torch.Tensor, key: str, kind: str, names: tuple[str, ...], *, mo
     if types is None:
         snap.why_not = "untyped (give it a type with spmd.assert_type, or type the module's output)"
         return snap
-    snap.types = {a: types.get(a, I) for a in names}
-    missing = [a for a in names if a not in types]
-    if missing:
-        snap.why_not = f"not typed on axis '{missing[0]}'"
+    snap.types = dict(types)  # an axis of one rank may carry no type: its one piece is the whole
     spec = get_partition_spec(t)
     if spec is not None:
         for d, entry in enumerate(tuple(spec)):
