@@ -1,8 +1,9 @@
 """check_equivalence on the Megatron-style GPT of examples/check_equivalence.py (issue 17).
 
-The correct model, dp=2 x tp=2: no false alarm in float64, and in float32 and bfloat16 with and without
-sequence parallelism. Every planted bug (one well-typed line each) is still caught in float32, and the
-first divergence names the module where it starts, with the line that produced the diverging value.
+The correct model, dp=2 x tp=2: no false alarm in float64, and in float32 with and without sequence
+parallelism (bfloat16: Megatron-core's GPTModel, in test_equivalence_megatron.py). Every planted bug (one
+well-typed line each) is still caught in float32, and the first divergence names the module where it
+starts, with the line that produced the diverging value.
 """
 
 from __future__ import annotations
@@ -48,10 +49,9 @@ def _margin(report) -> float:
     return min((c.tolerance / c.max_abs_error if c.max_abs_error else math.inf) for c in report.compared)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_no_false_alarm_in_float32_and_bfloat16(sp, dtype):
-    report = GPT.check("none", sp, dtype=dtype)
+def test_no_false_alarm_in_float32(sp):
+    report = GPT.check("none", sp, dtype=torch.float32)
     assert report.ok, report
     assert len(report.compared) == 66 and report.not_compared == []
     assert _margin(report) > 4  # measured: about 10 (docs/equivalence.md)

@@ -2,7 +2,8 @@
 
 GPTModel (local layer spec) at tp=2 with and without sequence parallelism, dp=2, typed through
 ``spmd_types.megatron``, runs on 4 simulated ranks and on a one-device mesh (tp=1): every module output,
-the loss, every gradient and every updated weight match. Then type-invisible bugs, each a test-local
+the loss, every gradient and every updated weight match, in float64 and, with no false alarm, in
+bfloat16. Then type-invisible bugs, each a test-local
 copy of one Megatron function with one line changed, a checkpoint loader, or a dropout in the wrong RNG
 stream (tests/_equivalence_megatron.py): each diverges, and ``report.first`` names the module where it
 starts.
@@ -15,6 +16,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import _equivalence_megatron as M  # noqa: E402
+import torch  # noqa: E402
 from _megatron_support import accommodate_cpu  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
@@ -51,6 +53,16 @@ def test_gpt_model_matches_one_device(cpu, sp):
     assert report.not_compared == []
     kinds = [c.kind for c in report.compared]
     assert (kinds.count("output"), kinds.count("loss"), kinds.count("grad"), kinds.count("param")) == (50, 1, 29, 29)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
+def test_no_false_alarm_in_bfloat16(cpu, sp):
+    report = check_equivalence(lambda mesh: M.build(mesh, sp), M.step, M.batch(), output_dims=M.OUTPUT_DIMS,
+                               dtype=torch.bfloat16)
+    assert report.ok, report
+    assert len(report.compared) == 109 and report.not_compared == []
+    # the closest value stays this many times under its tolerance (measured: about 10.7; docs/equivalence.md)
+    assert min(c.tolerance / c.max_abs_error for c in report.compared if c.max_abs_error) > 4
 
 
 def test_bug_vocab_parallel_cross_entropy_with_the_local_max(cpu):
