@@ -70,3 +70,12 @@ def test_megatron_tp_sp_dp_under_torchrun_matches_one_device():
                "examples/megatron_tp_sp_dp.py", timeout=180)
     assert "losses match the single-device run, typed and erased" in out
     assert "dp=2 x tp=2" in out
+
+
+def test_check_equivalence_finds_the_planted_bug_where_it_starts(monkeypatch):
+    code, out = _run_here("examples/check_equivalence.py", [], monkeypatch)
+    assert code == 0, out
+    assert out.startswith("planted bug: ce-local-max (vocab-parallel cross entropy subtracts this rank's max")
+    assert re.search(r"^ +14 +output +cross_entropy +[0-9.e+-]+ +[0-9.e+-]+ +DIVERGED <- first$", out, re.M), out
+    assert "The first: output of cross_entropy" in out
+    assert re.search(r"^  at: examples/check_equivalence\.py:\d+: return total\.log\(\) - target_logit$", out, re.M)

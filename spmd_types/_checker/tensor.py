@@ -347,8 +347,11 @@ def _local_tensor_class() -> type | None:
                 for x, tp in swapped:
                     x.__class__ = tp
 
+        # LocalTensor.contiguous is a custom autograd Function whose result is a plain LocalTensor; the typed
+        # class runs Tensor.contiguous through the rules like any op, so the result keeps its type.
         local_cls = type("LocalLTensor", (LTensor, LocalTensor),
-                         {"__module__": __name__, "__torch_dispatch__": __torch_dispatch__})
+                         {"__module__": __name__, "__torch_dispatch__": __torch_dispatch__,
+                          "contiguous": torch.Tensor.contiguous})
         _LOCAL_CLASSES[LocalTensor] = local_cls
         _SWAP_BACK[local_cls] = LocalTensor
     return _LOCAL_CLASSES[LocalTensor]

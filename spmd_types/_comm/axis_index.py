@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from .._checker.tensor import make_typed
+from .._checker.asserts import assert_type
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh
 from .._core.state import STATE
-from .._core.types import R, TypeMap, V
+from .._core.types import R, V
 from . import impl as impl
 from .call import resolve_comm
 
@@ -66,8 +66,8 @@ def axis_index(axis: Any, *, device: Any = None) -> torch.Tensor:
                 ),
                 user_source_line(),
             )
-    types = TypeMap.of((a, V if a in comm.names else R) for a in mesh.axis_names)
-    return make_typed(out, types)
+    # typed as assert_type types a fresh tensor, so that the mesh's rules for axes of one rank apply alike
+    return assert_type(out, {a: (V if a in comm.names else R) for a in mesh.axis_names})
 
 
 def _index_tensor(index: int, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Test helpers: count communication, build per-rank values, compute denotations.
+"""Test helpers: count communication, build per-rank values, compute denotations, check against one device.
 
 For single-process simulations with torch's ``LocalTensorMode`` (every rank
 in one process, real values) on a fake process group::
@@ -14,20 +14,20 @@ in one process, real values) on a fake process group::
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.types import I, P, R, SpmdType, V, backward_type
+from ._simulate import _coords, _outside_simulation, per_rank, rank_values, simulate
+from .equivalence import DivergenceError, EquivalenceReport, check_equivalence
 
 __all__ = [
     "CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks", "random_value", "simulate",
-    "verify_registration", "VerifyReport",
+    "verify_registration", "VerifyReport", "check_equivalence", "EquivalenceReport", "DivergenceError",
 ]
 
 # ``_c10d_functional`` op name -> the short name the counter reports.
@@ -89,19 +89,6 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def per_rank(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """A tensor whose value on rank ``r`` is ``fn(r)`` (a LocalTensor under LocalTensorMode)."""
-    from torch.distributed._local_tensor import rank_map
-
-    return rank_map(fn)
-
-
-def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
-    """``{global rank: plain tensor}`` of a LocalTensor (typed or not)."""
-    with torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
-        return {r: v.detach() for r, v in t._local_tensors.items()}  # type: ignore[attr-defined]
-
-
 def same_on_ranks(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     """One value ``fn()`` held by every rank (an R or I value)."""
     value = fn()
@@ -133,12 +120,6 @@ def denote(t: torch.Tensor, mesh: Any, types: Mapping[str, SpmdType], *, first: 
         return _denote(rank_values(t), mesh, types, first)
 
 
-def _outside_simulation():
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
-    return maybe_disable_local_tensor_mode()
-
-
 def _denote(values: dict[int, torch.Tensor], mesh: Any, types: Mapping[str, SpmdType], first: str | None) -> torch.Tensor:
     names = list(mesh.mesh_dim_names)
     layout = mesh.mesh
@@ -158,13 +139,6 @@ def _denote(values: dict[int, torch.Tensor], mesh: Any, types: Mapping[str, Spmd
         table = {key: _combine(vals, types[names[k]], names[k]) for key, vals in groups.items()}
         alive.pop(pos)
     return table[()]
-
-
-def _coords(shape: torch.Size) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for n in shape:
-        out = [c + (i,) for c in out for i in range(n)]
-    return out
 
 
 def pair(primal: torch.Tensor, cotangent: torch.Tensor, mesh: Any, types: Mapping[str, SpmdType]) -> torch.Tensor:
@@ -195,83 +169,6 @@ def random_value(mesh: Any, types: Mapping[str, SpmdType], shape: tuple[int, ...
             g = torch.Generator().manual_seed(seed * 1000003 + hash(key) % 1000003)
             by_rank[int(layout[coord])] = torch.randn(shape, generator=g)
     return per_rank(lambda r: by_rank[r].clone())
-
-
-@contextlib.contextmanager
-def simulate(
-    mesh_shape: tuple[int, ...],
-    names: tuple[str, ...],
-    *,
-    ranks: Literal["fake", "local"] = "fake",
-    device: Literal["meta", "cpu"] = "meta",
-) -> Iterator[Any]:
-    """Run a whole mesh's program in this one process, with no GPU; yields the ``DeviceMesh``.
-
-    Sets up a fake process group of ``prod(mesh_shape)`` ranks, the named mesh
-    on it, and makes it the current mesh (:func:`spmd_types.set_current_mesh`).
-    ``ranks="fake"`` runs rank 0's program only: collectives return tensors of
-    the right shape without moving data, so with ``device="meta"`` (tensors
-    with shapes and no storage) a production-sized model typechecks in
-    seconds. ``ranks="local"`` also enters torch's ``LocalTensorMode``: every
-    rank's values are computed (``device="cpu"`` only), so numerics can be
-    compared with :func:`denote`. Build the model *inside* the block: a
-    parameter created outside is one plain tensor, not one per rank, and on
-    the wrong device. On exit the mode, the mesh and a process group this
-    call created are torn down.
-
-    Example::
-
-        with simulate((8, 8), ("dp", "tp")) as mesh, spmd.typecheck():
-            model = build_model()          # on the meta device, 8 x 8 ranks
-            loss = model(batch).sum()
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from .._core.mesh import set_current_mesh
-
-    if ranks not in ("fake", "local"):
-        raise ValueError(f"simulate: ranks must be 'fake' or 'local', got {ranks!r}")
-    if device not in ("meta", "cpu"):
-        raise ValueError(f"simulate: device must be 'meta' or 'cpu', got {device!r}")
-    if ranks == "local" and device == "meta":
-        raise ValueError("simulate: ranks='local' computes every rank's values, so it needs device='cpu'")
-    if len(mesh_shape) != len(names):
-        raise ValueError(f"simulate: {len(mesh_shape)} mesh sizes but {len(names)} axis names")
-    world = math.prod(mesh_shape)
-    created = _fake_world(world)
-    try:
-        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
-        with contextlib.ExitStack() as stack:
-            if ranks == "local":
-                from torch.distributed._local_tensor import LocalTensorMode
-
-                stack.enter_context(LocalTensorMode(world))
-            stack.enter_context(torch.device(device))
-            stack.enter_context(set_current_mesh(mesh))
-            yield mesh
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _fake_world(size: int) -> bool:
-    """Make the default process group a fake one of ``size`` ranks; True if this call created it."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        backend = dist.get_backend()
-        if backend == "fake" and dist.get_world_size() == size:
-            return False
-        if backend != "fake":
-            raise RuntimeError(
-                f"simulate: a real process group ({backend!r}) is already initialized; "
-                "simulate before init_process_group or after destroy_process_group"
-            )
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
-    return True
 
 
 # ---------------------------------------------------------------------------

@@ -188,6 +188,8 @@ def _per_axis(args_types: list[TypeMap | None], tp: str, tp_rule: Callable[..., 
     out: dict[str, SpmdType] = {}
     for axis in m.axis_names:
         per = [_on(t, axis) for t in args_types]
+        if m.size(axis) == 1 and all(t is None for t in per):
+            continue  # an axis of one rank whose inputs carry no type there: nothing to check or to give
         got = tp_rule(*per) if axis == tp else other(axis, *per)
         if isinstance(got, Rejection):
             return got

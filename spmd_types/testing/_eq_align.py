@@ -1,0 +1,340 @@
+"""Alignment by type, for ``check_equivalence``: cut pieces from whole tensors, put per-rank values back together.
+
+A type says how the per-rank pieces of a value make one tensor (CONTRACT section 1): R and I, any
+rank's copy (and every copy must agree); P, their sum; S(d), their concatenation on dim d; V, their
+concatenation on the dim its partition spec names, or the dim ``output_dims`` names, or the one dim
+the shapes allow. Several axes on one dim nest in mesh order: the first axis is the outer one, as
+in ``DeviceMesh`` rank order. Parameters and the batch are cut the same way in reverse.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .._core.dtensor_hook import is_dtensor
+from .._core.types import I, P, R, SpmdType
+from ._eq_record import Snapshot, _dtensor_types
+from ._simulate import _coords, _outside_simulation, per_rank
+
+__all__ = ["MeshInfo", "Assembled", "load_parameters", "local_batch", "assemble", "assemble_layout", "tolerance", "match",
+           "RTOL64", "ATOL64", "SAFETY"]
+
+# float64: a fixed tolerance relative to the reference's largest entry. Reordered float64 sums differ by
+# about 1e-16 of the scale per thousand terms, so 1e-9 stays six orders above round-off and far below a bug.
+RTOL64, ATOL64 = 1e-9, 1e-12
+# Below float64: the tolerance is SAFETY times the reference's own round-off (its run in the dtype against
+# its run in float64), and never below SAFETY * eps * scale. Two runs that each carry round-off r differ
+# by up to about 2r; 16 leaves room for the parallel run's different summation order (see docs/equivalence.md).
+SAFETY = 16.0
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The mesh a run used: axis names, sizes, and every rank's coordinates."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    coords: dict[int, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, mesh: Any) -> MeshInfo:
+        layout = mesh.mesh
+        coords = {int(layout[c]): c for c in _coords(layout.shape)}
+        return cls(tuple(mesh.mesh_dim_names), tuple(layout.shape), coords)
+
+    def coord_dict(self, rank: int) -> dict[str, int]:
+        return dict(zip(self.names, self.coords[rank]))
+
+
+def match(globs: Mapping[str, Any] | None, name: str) -> Any:
+    """The value of the first glob in ``globs`` that matches ``name`` (None if none does)."""
+    for pattern, value in (globs or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return value
+    return None
+
+
+def shard_dim(t: SpmdType) -> int | None:
+    """``d`` for S(d), None for every other type."""
+    return getattr(t, "dim", None)
+
+
+# ---------------------------------------------------------------------------
+# cutting whole tensors into per-rank pieces (parameters, the batch)
+
+
+def _cut(full: torch.Tensor, types: Mapping[str, SpmdType], mesh: MeshInfo, rank: int, label: str,
+         unknown: Callable[[str, SpmdType], str]) -> torch.Tensor:
+    """This rank's piece of ``full``: outer mesh axes cut first, so that pieces nest as they reassemble."""
+    x = full
+    for axis, n, c in zip(mesh.names, mesh.sizes, mesh.coords[rank]):
+        t = types.get(axis, I)
+        if t is R or t is I:
+            continue
+        d = shard_dim(t)
+        if d is None:
+            raise ValueError(unknown(axis, t))
+        if x.dim() == 0 or x.shape[d] % n:
+            raise ValueError(f"check_equivalence: {label} is S({d}) on '{axis}', but its shape {list(x.shape)} "
+                             f"does not split into {n} equal chunks on dim {d}")
+        size = x.shape[d] // n
+        x = x.narrow(d, c * size, size)
+    return x
+
+
+def _param_types(p: torch.Tensor, names: tuple[str, ...]) -> dict[str, SpmdType] | None:
+    from .._checker.asserts import get_type
+
+    if is_dtensor(p):
+        types, _ = _dtensor_types(p, names)
+        if types is None:  # a DTensor on a sub-mesh: the axes it does not name hold whole copies
+            from ..integrations.dtensor.placements import placement_to_type
+
+            types = dict(zip(p.device_mesh.mesh_dim_names or (), map(placement_to_type, p.placements)))
+        return types
+    return get_type(p)
+
+
+def _store(p: torch.Tensor, name: str, parallel: bool) -> dict[int, torch.Tensor]:
+    base = p._local_tensor if is_dtensor(p) else p
+    store = getattr(base, "_local_tensors", None)
+    if store is not None:
+        return store
+    if parallel:
+        raise ValueError(
+            f"check_equivalence: parameter '{name}' is one plain tensor, not one per simulated rank: build() must "
+            "create every parameter (a module made outside build(), or cached between calls, is not simulated)"
+        )
+    with torch._C.DisableTorchFunctionSubclass():
+        return {0: base.data}
+
+
+def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor], mesh: MeshInfo,
+                    layouts: Mapping[str, Callable[..., torch.Tensor]] | None, *, parallel: bool) -> None:
+    """Write every rank's piece of each reference value in ``initial`` into the model's parameters, by type."""
+    for name, p in params.items():
+        if name not in initial:
+            known = ", ".join(sorted(initial)[:8])
+            raise ValueError(f"check_equivalence: the parallel model's parameter '{name}' is not in the reference "
+                             f"model built on the one-device mesh (its parameters: {known}, ...)")
+        full, layout = initial[name], match(layouts, name)
+        store = _store(p, name, parallel)
+        types = None if (layout is not None or not parallel) else _param_types(p, mesh.names)
+        if parallel and layout is None and types is None:
+            raise ValueError(
+                f"check_equivalence loads each parallel parameter from the reference by its type, but parameter "
+                f"'{name}' is untyped: type it in build() (spmd.assert_type(param, types), or "
+                f"spmd_megatron.type_parameters(model)), or give its layout: layouts={{'{name}': "
+                "fn(full, coords) -> local}"
+            )
+
+        def unknown(axis: str, t: SpmdType, name: str = name) -> str:
+            return (f"check_equivalence loads a parameter by its type when the type says which piece each rank "
+                    f"holds (S(d): a chunk of dim d; R and I: the whole), but parameter '{name}' is {t} on "
+                    f"'{axis}': give its layout: layouts={{'{name}': fn(full, coords) -> local}}")
+
+        for rank in mesh.coords:
+            if not parallel:  # every axis has one rank: the whole value, whatever the type
+                piece = full
+            elif layout is not None:
+                piece = layout(full.clone(), mesh.coord_dict(rank))
+            else:
+                piece = _cut(full, types, mesh, rank, f"parameter '{name}'", unknown)
+            local = store[rank]
+            if tuple(piece.shape) != tuple(local.shape):
+                how = "its layout gives" if layout is not None else f"cut by its type {_fmt_types(types)} gives"
+                raise ValueError(
+                    f"check_equivalence: parameter '{name}': {how} {list(piece.shape)} on rank {rank} from the "
+                    f"reference's {list(full.shape)}, but the parallel parameter is {list(local.shape)}: build() must "
+                    "make the same model on both meshes"
+                )
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
+                local.copy_(piece.to(local.dtype))
+
+
+def _fmt_types(types: Mapping[str, SpmdType] | None) -> str:
+    return "{" + ", ".join(f"{a}: {t}" for a, t in (types or {}).items()) + "}"
+
+
+def local_batch(batch: Mapping[str, Any], mesh: MeshInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each batch entry cut into its per-rank pieces (S(d): a chunk; R/I: whole), typed as given."""
+    import spmd_types as spmd
+
+    out = {}
+    for key, entry in batch.items():
+        full, types = entry if isinstance(entry, tuple) else (entry, None)
+        if full.is_floating_point():
+            full = full.to(dtype)
+
+        def unknown(axis: str, t: SpmdType, key: str = key) -> str:
+            return (f"check_equivalence: batch entry '{key}' is {t} on '{axis}', which does not say how the global "
+                    "batch splits: give S(d) (a chunk of dim d per rank), R or I (the whole on every rank)")
+
+        pieces = {r: _cut(full, types or {}, mesh, r, f"batch entry '{key}'", unknown) for r in mesh.coords}
+        local = per_rank(lambda r, pieces=pieces: pieces[r].clone())
+        out[key] = spmd.assert_type(local, dict(types)) if types else local
+    return out
+
+
+# ---------------------------------------------------------------------------
+# putting per-rank values back together
+
+
+@dataclass
+class Assembled:
+    """A reassembled value (None when it could not be) with the ranks that broke an R/I agreement."""
+
+    value: torch.Tensor | None
+    ranks: tuple[int, ...] = ()
+    spread: float = 0.0
+    reason: str | None = None
+    shape_error: str | None = None
+
+
+def _v_dims(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given: Mapping[str, int] | None
+            ) -> dict[str, int] | str:
+    """The dim each varying axis concatenates on, or the reason it cannot be told."""
+    local = tuple(next(iter(snap.values.values())).shape)
+    nd = len(local)
+    dims: dict[str, int] = {}
+    unknown: list[str] = []
+    for axis, n in zip(mesh.names, mesh.sizes):
+        if n == 1 or not snap.types[axis].is_varying:  # type: ignore[index]
+            continue
+        t = snap.types[axis]  # type: ignore[index]
+        d = shard_dim(t)
+        if d is None:
+            d = snap.dims.get(axis, (given or {}).get(axis))
+        if d is None:
+            unknown.append(axis)
+        elif not -nd <= d < nd:
+            return f"V on '{axis}' on dim {d}, but the value has {nd} dims (shape {list(local)})"
+        else:
+            dims[axis] = d % nd
+    if not unknown:
+        return dims
+    sizes = dict(zip(mesh.names, mesh.sizes))
+    fits = []
+    for choice in itertools.product(range(nd), repeat=len(unknown)):
+        trial = {**dims, **dict(zip(unknown, choice))}
+        grown = list(local)
+        for axis, d in trial.items():
+            grown[d] *= sizes[axis]
+        if tuple(grown) == tuple(ref_shape):
+            fits.append(dict(zip(unknown, choice)))
+    axes = " and ".join(f"'{a}'" for a in unknown)
+    if len(fits) == 1:
+        return {**dims, **fits[0]}
+    if not fits:
+        return (f"V on {axes} with no dim that makes the reference's shape {list(ref_shape)} from the local "
+                f"{list(local)}: its layout is unknown")
+    options = ", ".join("{" + ", ".join(f"{a}: {d}" for a, d in f.items()) + "}" for f in fits)
+    return (f"V on {axes}: the shapes (local {list(local)}, reference {list(ref_shape)}) fit several layouts "
+            f"({options}); name the dims with output_dims={{'{snap.module or snap.key}': {{axis: dim}}}}")
+
+
+def assemble(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given_dims: Mapping[str, int] | None,
+             tol: float) -> Assembled:
+    """Reassemble ``snap``'s per-rank values into one tensor, axis by axis, innermost axis first."""
+    if snap.why_not is not None:
+        return Assembled(None, reason=snap.why_not)
+    if set(snap.values) != set(mesh.coords):
+        return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation?)")
+    untyped = [a for a, n in zip(mesh.names, mesh.sizes) if n > 1 and a not in snap.types]  # type: ignore[operator]
+    if untyped:
+        return Assembled(None, reason=f"not typed on axis '{untyped[0]}'")
+    shapes = {tuple(v.shape) for v in snap.values.values()}
+    if len(shapes) > 1:
+        return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)})")
+    dims = _v_dims(snap, mesh, ref_shape, given_dims)
+    if isinstance(dims, str):
+        return Assembled(None, reason=dims)
+    table = {c: (snap.values[r], (r,)) for r, c in mesh.coords.items()}
+    bad: set[int] = set()
+    spread = 0.0
+    for k in reversed(range(len(mesh.names))):
+        axis, t = mesh.names[k], snap.types.get(mesh.names[k], I)  # type: ignore[union-attr]
+        groups: dict[tuple[int, ...], list[tuple[torch.Tensor, tuple[int, ...]]]] = {}
+        for c in sorted(table):
+            groups.setdefault(c[:k] + c[k + 1:], []).append(table[c])
+        folded = {}
+        for key, members in groups.items():
+            if t is R or t is I or mesh.sizes[k] == 1:
+                first = members[0][0]
+                for v, ranks in members[1:]:
+                    gap = float((v - first).abs().max()) if v.numel() else 0.0
+                    spread = max(spread, gap)
+                    if not gap <= tol:
+                        bad.update(ranks)
+                folded[key] = members[0]
+            elif t is P:
+                folded[key] = (torch.stack([v for v, _ in members]).sum(0), _ranks(members))
+            else:
+                folded[key] = (torch.cat([v for v, _ in members], dims[axis]), _ranks(members))
+        table = folded
+    value = table[()][0]
+    if tuple(value.shape) != tuple(ref_shape):
+        return Assembled(value, tuple(sorted(bad)), spread,
+                         shape_error=f"reassembled shape {list(value.shape)}, reference {list(ref_shape)}")
+    return Assembled(value, tuple(sorted(bad)), spread)
+
+
+def _ranks(members: list[tuple[torch.Tensor, tuple[int, ...]]]) -> tuple[int, ...]:
+    return tuple(r for _, ranks in members for r in ranks)
+
+
+def assemble_layout(snap: Snapshot, mesh: MeshInfo, ref: torch.Tensor, layout: Callable[..., torch.Tensor],
+                    tol: float) -> tuple[float, tuple[int, ...], str | None]:
+    """(largest error, ranks beyond ``tol``, reason) comparing each rank with ``layout(reference, coords)``.
+
+    A value that is P on an axis is summed over that axis first (every rank of the group is then
+    compared with the sum).
+    """
+    if snap.why_not is not None and snap.types is None:
+        return 0.0, (), snap.why_not
+    types = snap.types or {}
+    worst, bad = 0.0, []
+    for rank, c in mesh.coords.items():
+        got = snap.values[rank]
+        partial = [k for k, a in enumerate(mesh.names) if types.get(a) is P and mesh.sizes[k] > 1]
+        if partial:
+            peers = [q for q, cq in mesh.coords.items()
+                     if all(cq[k] == c[k] for k in range(len(c)) if k not in partial)]
+            got = torch.stack([snap.values[q] for q in peers]).sum(0)
+        want = layout(ref.clone(), mesh.coord_dict(rank)).to(torch.float64)
+        if tuple(got.shape) != tuple(want.shape):
+            return math.inf, (rank,), None
+        err = float((got - want).abs().max()) if got.numel() else 0.0
+        worst = max(worst, err)
+        if not err <= tol:
+            bad.append(rank)
+    return worst, tuple(bad), None
+
+
+# ---------------------------------------------------------------------------
+# tolerance
+
+
+def tolerance(ref: torch.Tensor, ref64: torch.Tensor | None, dtype: torch.dtype,
+              precision: torch.dtype | None = None) -> float:
+    """The largest error allowed for a value whose reference is ``ref`` (and float64 reference ``ref64``).
+
+    ``precision`` is the coarsest float dtype the step had computed in by the time the value was
+    made (code may compute in float32 inside a float64 model); its round-off sets the floor.
+    """
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    coarse = precision if precision is not None and torch.finfo(precision).eps > torch.finfo(dtype).eps else dtype
+    if coarse == torch.float64:
+        return RTOL64 * scale + ATOL64
+    info = torch.finfo(coarse)
+    roundoff = 0.0
+    if ref64 is not None and ref.numel() and ref.shape == ref64.shape:
+        roundoff = float((ref - ref64).abs().max())
+    return SAFETY * max(roundoff, info.eps * scale) + info.tiny
+

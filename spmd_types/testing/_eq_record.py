@@ -1,0 +1,313 @@
+"""What one run of ``check_equivalence`` records: module outputs, the loss, gradients, parameters, source lines.
+
+A run (the reference on a one-device mesh, or the parallel one on simulated ranks) hooks every
+submodule's forward and keeps, for each floating-point tensor it returns, a :class:`Snapshot`:
+its SPMD types (from ``spmd.get_type``, or a DTensor's placements), the dims its partition spec
+names, every rank's value (a float64 copy, taken at once: later in-place ops do not change it) and
+the user's source line that produced it. The source lines come from a torch-function mode that,
+for every op the step runs, notes the innermost frame outside ``spmd_types``, torch and the
+standard library: the same rule as the ``at:`` line of an ``SpmdTypeError``.
+
+Simulated ranks read their rank from process groups: :func:`per_rank_group_ranks` makes
+``group.rank()`` of a sub-group answer per simulated rank (Megatron-core slices its vocabulary and
+sequence chunks by it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .._core.dtensor_hook import is_dtensor
+from .._core.errors import _PKG_DIR
+from .._core.types import SpmdType
+from ._simulate import rank_values
+
+__all__ = ["Snapshot", "Recorder", "per_rank_group_ranks", "snapshot", "format_source", "module_names"]
+
+Where = tuple  # (filename, line number)
+
+
+@dataclass
+class Snapshot:
+    """One recorded value of one run: ``values`` is ``{rank: float64 tensor}`` (one entry on one device)."""
+
+    key: str
+    kind: str
+    module: str | None = None
+    types: dict[str, SpmdType] | None = None
+    dims: dict[str, int] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    source: Where | None = None
+    why_not: str | None = None  # set when the value cannot be reassembled (untyped, an odd placement)
+    precision: torch.dtype | None = None  # the lowest float dtype the step had computed in when this was recorded
+
+
+# ---------------------------------------------------------------------------
+# snapshots
+
+
+def _plain_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
+    if type(t).__name__ == "AsyncCollectiveTensor":  # a functional collective's pending result (DTensor's)
+        t = t.elem  # type: ignore[attr-defined]
+    if hasattr(t, "_local_tensors"):
+        return {r: v.to(torch.float64, copy=True) for r, v in rank_values(t).items()}
+    with torch._C.DisableTorchFunctionSubclass():
+        return {0: t.detach().to(torch.float64, copy=True)}
+
+
+def _dtensor_types(t: Any, names: tuple[str, ...]) -> tuple[dict[str, SpmdType] | None, str | None]:
+    from ..integrations.dtensor.placements import placement_to_type
+
+    mesh_names = t.device_mesh.mesh_dim_names or ()
+    types: dict[str, SpmdType] = {}
+    for name, placement in zip(mesh_names, t.placements):
+        try:
+            types[name] = placement_to_type(placement)
+        except NotImplementedError:
+            return None, f"a DTensor placement with no SPMD type ({placement!r})"
+    missing = [a for a in names if a not in types]
+    if missing:
+        return None, f"a DTensor on a mesh without axis '{missing[0]}'"
+    return types, None
+
+
+def snapshot(t: torch.Tensor, key: str, kind: str, names: tuple[str, ...], *, module: str | None = None,
+             source: Where | None = None) -> Snapshot:
+    """Record ``t``: its types on the mesh axes ``names``, its partition-spec dims, every rank's value."""
+    from .._checker.asserts import get_partition_spec, get_type
+
+    snap = Snapshot(key, kind, module=module, source=source)
+    if is_dtensor(t):
+        snap.types, snap.why_not = _dtensor_types(t, names)
+        snap.values = _plain_values(t._local_tensor)
+        return snap
+    types = get_type(t)
+    snap.values = _plain_values(t)
+    if types is None:
+        snap.why_not = "untyped (give it a type with spmd.assert_type, or type the module's output)"
+        return snap
+    snap.types = dict(types)  # an axis of one rank may carry no type: its one piece is the whole
+    spec = get_partition_spec(t)
+    if spec is not None:
+        for d, entry in enumerate(tuple(spec)):
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                if axis is not None:
+                    snap.dims[axis] = d
+    return snap
+
+
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
+
+
+def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """``{module: qualified name}``; the root is named by its class (its qualified name is empty)."""
+    return {m: (name or type(model).__name__) for name, m in model.named_modules()}
+
+
+# ---------------------------------------------------------------------------
+# the recorder: forward hooks and source lines
+
+
+class Recorder:
+    """Hooks every submodule of ``model``; ``outputs`` lists their snapshots in the order forwards finish."""
+
+    def __init__(self, model: torch.nn.Module, names: tuple[str, ...], *, sources: bool, dtype: torch.dtype) -> None:
+        self.names = names
+        self.precision = dtype  # lowered when an op of the step returns a float tensor of less precision
+        self.outputs: list[Snapshot] = []
+        self._calls: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._where: dict[int, tuple[weakref.ref, Where]] = {}
+        self._sources = sources
+        for module, name in module_names(model).items():
+            self._handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            k = self._calls.get(name, 0)
+            self._calls[name] = k + 1
+            base = name if k == 0 else f"{name}#{k}"
+            leaves = _tensor_leaves(output)
+            for i, t in enumerate(leaves):
+                key = base if len(leaves) == 1 else f"{base}[{i}]"
+                snap = snapshot(t, key, "output", self.names, module=name, source=self.source_of(t))
+                snap.precision = self.precision
+                self.outputs.append(snap)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def source_of(self, t: Any) -> Where | None:
+        """Where ``t`` was last produced or written in place (a DTensor: its local tensor), if seen."""
+        for x in (t, getattr(t, "_local_tensor", None)):
+            found = self._where.get(id(x)) if x is not None else None
+            if found is not None and found[0]() is x:
+                return found[1]
+        return None
+
+    @contextlib.contextmanager
+    def sources(self) -> Iterator[None]:
+        """Note the producing source line of every tensor made inside (nothing when not asked to)."""
+        if not self._sources:
+            yield
+            return
+        with _SourceMode(self):
+            yield
+
+    def note_dtype(self, dtype: torch.dtype) -> None:
+        """An op computed in ``dtype``: values recorded from now on carry its round-off (if it is coarser)."""
+        if torch.finfo(dtype).eps > torch.finfo(self.precision).eps:
+            self.precision = dtype
+
+
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__ipow__", "__imod__", "__iand__", "__ior__", "__ixor__"})
+_SKIP_CODE: dict[Any, bool] = {}
+_SKIP_DIRS: list[str] = []
+
+
+def _skip_dirs() -> tuple[str, ...]:
+    if not _SKIP_DIRS:
+        _SKIP_DIRS.extend([_PKG_DIR, os.path.dirname(os.path.abspath(torch.__file__)),
+                           os.path.dirname(contextlib.__file__)])
+    return tuple(_SKIP_DIRS)
+
+
+def _user_frame() -> Where | None:
+    """The innermost frame outside spmd_types, torch and the standard library (cached per code object)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        skip = _SKIP_CODE.get(code)
+        if skip is None:
+            name = code.co_filename
+            skip = (name.startswith("<") or name.endswith("typing_extensions.py")
+                    or os.path.abspath(name).startswith(_skip_dirs()))
+            _SKIP_CODE[code] = skip
+        if not skip:
+            return (code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+class _SourceMode(TorchFunctionMode):
+    """Notes, for every tensor an op returns or writes in place, the user line that ran the op.
+
+    It also tells the recorder when an op returns a float tensor of less precision than the run's
+    dtype (Megatron's cross entropy computes in float32 whatever the model's dtype).
+    """
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.table = recorder._where
+        self.recorder = recorder
+        self.eps = torch.finfo(recorder.precision).eps
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__get__" or name == "__set__":  # attribute reads and writes (t.grad, t.shape) make nothing
+            return out
+        where = _user_frame()
+        if where is None:
+            return out
+        if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
+            if args and isinstance(args[0], torch.Tensor):
+                self._note(args[0], where)
+        elif "out" in kwargs and isinstance(kwargs["out"], torch.Tensor):
+            self._note(kwargs["out"], where)
+        elif isinstance(out, torch.Tensor):
+            if not (args and out is args[0]):
+                self._note(out, where)
+            if out.is_floating_point() and torch.finfo(out.dtype).eps > self.eps:
+                self.recorder.note_dtype(out.dtype)
+                self.eps = torch.finfo(self.recorder.precision).eps
+        elif isinstance(out, (tuple, list)):
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    self._note(x, where)
+        return out
+
+    def _note(self, t: torch.Tensor, where: Where) -> None:
+        self.table[id(t)] = (weakref.ref(t), where)
+
+
+def format_source(where: Where | None) -> str | None:
+    """``path:line: code`` (the path relative to the working directory where it is inside it)."""
+    if where is None:
+        return None
+    filename, line = where
+    code = linecache.getline(filename, line).strip()
+    shown = os.path.abspath(filename)
+    try:
+        rel = os.path.relpath(shown)
+        if not rel.startswith(".."):
+            shown = rel
+    except ValueError:
+        pass
+    return f"{shown}:{line}: {code}"
+
+
+# ---------------------------------------------------------------------------
+# ranks read from process groups
+
+
+def _group_index(group: Any, ranks: frozenset[int]) -> Any:
+    from torch.distributed._local_tensor import LocalIntNode
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    members, offsets, _ = _prepare_collective_groups(group)
+    index = {o + r: i for o in offsets for i, r in enumerate(members)}
+    values = {r: index[r] for r in ranks}
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return torch.SymInt(LocalIntNode(values))
+
+
+@contextlib.contextmanager
+def per_rank_group_ranks() -> Iterator[None]:
+    """Inside: under ``LocalTensorMode``, ``group.rank()`` of a sub-group is each simulated rank's own index.
+
+    The default group keeps answering rank 0 (``torch.distributed`` itself asks it while making
+    groups). The index is a per-rank ``SymInt``: arithmetic and slicing with it run per rank; a
+    Python branch on it (``if group.rank() == 0``) cannot be simulated.
+    """
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    saved = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
+    original = dist.ProcessGroup.rank
+    cache: dict[tuple[int, frozenset], Any] = {}
+
+    def rank(self: Any) -> Any:
+        lm = enabled_local_tensor_mode()
+        if lm is None or not dist.is_initialized() or self is dist.group.WORLD or self.size() == 1:
+            return original(self)
+        key = (id(self), frozenset(lm.ranks))
+        if key not in cache:
+            cache[key] = (self, _group_index(self, frozenset(lm.ranks)))  # the group kept alive: ids stay unique
+        return cache[key][1]
+
+    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.rank = saved  # type: ignore[method-assign]
+
