@@ -322,6 +322,8 @@ def _type_op_moves(v: Val, axes: tuple[tuple[str, int], ...], good: bool) -> lis
         for c in claims:
             for op, src, dst, params, shape in _type_moves(c, v.shape, n):
                 types = v.types[:k] + (dst,) + v.types[k + 1:]
+                if len(shape) != len(v.shape):  # a stack or unbind moves every dim: other axes' S(d) now say V
+                    types = tuple(t if i == k or not t.startswith("S") else "V" for i, t in enumerate(types))
                 out.append(Move(op, (v.name,), tuple(params.items()), types, shape, axis, src, dst))
             out += _function_moves(v, k, axis, n, c)
     return out
@@ -372,6 +374,22 @@ def _into_typed_zeros(b: tuple[str, ...], a: tuple[str, ...]) -> tuple[str, ...]
     return tuple(out) if None not in out else tuple(_join([y], True) for y in a)  # type: ignore[misc]
 
 
+def _in_place_into_fresh(b: tuple[str, ...], a: tuple[str, ...]) -> tuple[str, ...] | None:
+    """``a`` added in place into a gradient-free, unaliased buffer typed ``b``: its type, or None (refused)."""
+    out = []
+    for x, y in zip(b, a):
+        t = _join([x, y], True)
+        if t is None:
+            return None
+        if t != _base(x):
+            if not (_base(x) in ("R", "I") and t == "V"):
+                return None
+            out.append("V")
+        else:
+            out.append(x)
+    return tuple(out)
+
+
 def _accumulate_moves(vals: list[Val], good: bool) -> list[Move]:
     out = []
     newest = [v for v in vals[:4] if v.shape]
@@ -395,10 +413,11 @@ def _accumulate_moves(vals: list[Val], good: bool) -> list[Move]:
                 continue
             if good and same_form:
                 out.append(Move("zeros_like.index_add", (b.name, a.name), (), into, a.shape))
-            # in place into typed zeros: the ordinary rule, and the buffer keeps its type (S(d) included)
-            if (_binary_types("ilin", b.types, a.types) is not None) == good and (
-                    not good or _lists(b.types) == _lists(a.types)):
-                out.append(Move("zeros_like.scatter_add_", (b.name, a.name), (), b.types if good else (), a.shape))
+            # in place into typed zeros: the ordinary rule, the buffer keeps its type (S(d) included), except
+            # that R or I may become V (choice 7: the buffer carries no gradient and nothing aliases it)
+            kept = _in_place_into_fresh(b.types, a.types)
+            if (kept is not None) == good and (not good or _lists(kept) == _lists(a.types)):
+                out.append(Move("zeros_like.scatter_add_", (b.name, a.name), (), kept if good else (), a.shape))
     return out
 
 

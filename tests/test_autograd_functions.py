@@ -17,7 +17,7 @@ from conftest import fake_mesh
 from torch.distributed._local_tensor import LocalTensorMode
 
 import spmd_types as spmd
-from spmd_types.testing import CommCounter, per_rank, rank_values, verify_registration
+from spmd_types.testing import CommCounter, per_rank, rank_values, simulate, verify_registration
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
 N = 4
@@ -342,3 +342,25 @@ def test_verify_a_backward_that_all_reduces_its_gradient_in_place(tp4):
     spmd.register_autograd_function(CopyToInPlace, op="reinterpret", axis=lambda a, k: a[1], src=I, dst=R)
     report = verify_registration(CopyToInPlace, (torch.empty(3, 8), tp4.get_group()), mesh=tp4, in_types=[{"tp": I}])
     assert report.backward_comms == {"all_reduce": 1}
+
+
+def test_a_registered_functions_backward_gets_plain_gradients():
+    """Found by the nightly fuzzer: a transparent Function's backward computes its input gradient from saved typed
+    values, so it comes out typed (by the forward rules); the next registered Function's hand-written backward
+    (a raw reduce-scatter) then met a typed I gradient and was refused. Its backward now gets plain gradients, as
+    its forward got plain inputs."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import fuzz_functions as ff
+
+    full = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with simulate((2,), ("tp",), ranks="local", device="cpu") as mesh, spmd.typecheck():
+        x = spmd.assert_type(per_rank(lambda r: full.chunk(2, 0)[r].clone()).requires_grad_(), {"tp": V})
+        y = ff.CheckpointedSilu.apply(ff.GatherFromRegion.apply(x, mesh.get_group("tp")))
+        assert spmd.get_type(y) == {"tp": I}
+        y.sum().backward()
+        grads = rank_values(x.grad)
+    ref = full.clone().requires_grad_()
+    torch.nn.functional.silu(ref).sum().backward()
+    torch.testing.assert_close(torch.cat([grads[0], grads[1]]), ref.grad)

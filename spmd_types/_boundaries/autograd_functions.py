@@ -59,6 +59,7 @@ class Registration(NamedTuple):
     reduce: str = "sum"
     rule: Callable[..., Any] | None = None
     original_apply: Any = None  # the class's own ``apply`` before registration, if it defined one
+    original_backward: Any = None  # the class's own ``backward``, wrapped to receive plain gradients
 
 
 _REGISTRY: dict[type, Registration] = {}
@@ -119,12 +120,31 @@ def _install(cls: type, reg: Registration) -> None:
         previous = _REGISTRY.get(cls)
         own = cls.__dict__.get("apply")
         if previous is not None:
-            original = previous.original_apply
+            original, backward = previous.original_apply, previous.original_backward
         else:
             original = own.__func__ if isinstance(own, classmethod) else None
             cls.apply = classmethod(_typed_apply)  # type: ignore[method-assign]
-        _REGISTRY[cls] = reg._replace(original_apply=original)
+            backward = cls.__dict__.get("backward")
+        if backward is not None and previous is None:
+            cls.backward = staticmethod(_plain_gradients(backward))  # type: ignore[attr-defined]
+        _REGISTRY[cls] = reg._replace(original_apply=original, original_backward=backward)
         ALLOWED[cls] = reg.kind
+
+
+def _plain_gradients(backward: Any) -> Any:
+    """The class's hand-written backward, given plain gradients, as its forward was given plain inputs.
+
+    A gradient can reach it typed (a transparent Function's backward computes it from saved typed values,
+    typed by the forward rules, which say nothing about gradients); its own code, raw collectives
+    included, then runs as it was written.
+    """
+    fn = backward.__func__ if isinstance(backward, staticmethod) else backward
+
+    def plain_backward(ctx: Any, *grads: Any) -> Any:
+        return fn(ctx, *(unwrap(g) if isinstance(g, torch.Tensor) else g for g in grads))
+
+    plain_backward.__wrapped__ = fn  # type: ignore[attr-defined]
+    return plain_backward
 
 
 def unregister_autograd_function(cls: type) -> None:
@@ -138,6 +158,8 @@ def unregister_autograd_function(cls: type) -> None:
             cls.apply = classmethod(reg.original_apply)  # type: ignore[method-assign]
         else:
             del cls.apply
+        if reg.original_backward is not None:
+            cls.backward = reg.original_backward  # type: ignore[attr-defined]
 
 
 def registration_of(cls: type) -> Registration | None:
