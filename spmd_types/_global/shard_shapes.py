@@ -174,47 +174,36 @@ def gather_rule(ctx: Ctx) -> Spec | Rejection:
     and ``dim`` is whole in the input (an index may point anywhere along it)."""
     if len(ctx.operands) < 2:
         return ctx.reject("gather needs its index as a tensor.", "one tensor operand", [])
-    inp, idx = ctx.operands[0], ctx.operands[1]
-    d = _dim(ctx.arg(1, "dim", 0), inp.tensor.dim())
-    if inp.spec[d]:
-        return ctx.reject(
-            "gather reads any position along its dim, which must be whole in the input.",
-            f"dim {d} of {inp.label} is sharded on {_axes(inp.spec[d])}",
-            [gather_fix(inp.label, inp.spec[d], d)],
-        )
-    for k, (a, b) in enumerate(zip(inp.spec, idx.spec)):
-        if k != d and a != b:
-            sharded = (inp, a) if a else (idx, b)
-            return ctx.reject(
-                "gather pairs each index with the input at the same position off its dim: both sharded alike.",
-                f"dim {k} is sharded on {_axes(a)} in {inp.label} but on {_axes(b)} in {idx.label}",
-                [gather_fix(sharded[0].label, sharded[1], k)],
-            )
-    return idx.spec
+    found = _indexed_along(ctx, "gather reads any position along its dim",
+                           "gather pairs each index with the input at the same position off its dim: both sharded "
+                           "alike.")
+    return found if isinstance(found, Rejection) else ctx.operands[1].spec
 
 
 def scatter_rule(ctx: Ctx) -> Spec | Rejection:
     """scatter / scatter_add / scatter_reduce: the result has the input's layout; index (and src) sharded like the
     input off ``dim``, which is whole in the input (an index may point anywhere along it)."""
+    found = _indexed_along(ctx, "scatter writes to any position along its dim",
+                           "scatter pairs each index (and value) with the input at the same position off its dim: "
+                           "sharded alike.")
+    return found if isinstance(found, Rejection) else ctx.operands[0].spec
+
+
+def _indexed_along(ctx: Ctx, whole: str, alike: str) -> Rejection | None:
+    """An op indexing the input along ``dim``: that dim whole in the input, every other operand sharded like it off it."""
     inp = ctx.operands[0]
     d = _dim(ctx.arg(1, "dim", 0), inp.tensor.dim())
     if inp.spec[d]:
-        return ctx.reject(
-            "scatter writes to any position along its dim, which must be whole in the input.",
-            f"dim {d} of {inp.label} is sharded on {_axes(inp.spec[d])}",
-            [gather_fix(inp.label, inp.spec[d], d)],
-        )
+        return ctx.reject(f"{whole}, which must be whole in the input.",
+                          f"dim {d} of {inp.label} is sharded on {_axes(inp.spec[d])}",
+                          [gather_fix(inp.label, inp.spec[d], d)])
     for other in ctx.operands[1:]:
         for k, (a, b) in enumerate(zip(inp.spec, other.spec)):
             if k != d and a != b:
                 sharded = (inp, a) if a else (other, b)
-                return ctx.reject(
-                    "scatter pairs each index (and value) with the input at the same position off its dim: sharded "
-                    "alike.",
-                    f"dim {k} is sharded on {_axes(a)} in {inp.label} but on {_axes(b)} in {other.label}",
-                    [gather_fix(sharded[0].label, sharded[1], k)],
-                )
-    return inp.spec
+                return ctx.reject(alike, f"dim {k} is sharded on {_axes(a)} in {inp.label} but on {_axes(b)} in "
+                                  f"{other.label}", [gather_fix(sharded[0].label, sharded[1], k)])
+    return None
 
 
 def _index_items(index: object, ndim: int) -> list[object]:
