@@ -54,14 +54,19 @@ def _my_slice(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 @spmd.register_autograd_function(local=True)
 class FusedTanh(torch.autograd.Function):
+    # No materialized zeros for an output no gradient reaches: as torch.tanh (the oracle's meaning), x then gets
+    # no gradient at all, which an optimizer's weight decay tells apart from zeros (found at nightly size).
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         y = torch.tanh(x)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, g: torch.Tensor | None) -> torch.Tensor | None:
+        if g is None:
+            return None
         (y,) = ctx.saved_tensors
         return g * (1 - y * y)
 
@@ -72,11 +77,12 @@ class TransparentScale(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         return x * 3.0
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * 3.0
+    def backward(ctx: Any, g: torch.Tensor | None) -> torch.Tensor | None:
+        return None if g is None else g * 3.0
 
 
 # Found by this fuzzer: a transparent Function that saved a typed tensor crashed in backward on LocalTensorMode
@@ -85,11 +91,14 @@ class TransparentScale(torch.autograd.Function):
 class CheckpointedSilu(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x)
         return x * torch.sigmoid(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, g: torch.Tensor | None) -> torch.Tensor | None:
+        if g is None:
+            return None
         (x,) = ctx.saved_tensors
         s = torch.sigmoid(x)
         return g * s * (1 + x * (1 - s))
@@ -113,29 +122,32 @@ def _add_rule(ta: Any, tb: Any) -> dict:
 class AddScaled(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         return 2 * a + b
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return 2 * g, g
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None, None) if g is None else (2 * g, g)
 
 
 @spmd.register_autograd_function(op="reinterpret", axis=_group_axis, src=spmd.I, dst=spmd.R)
 class CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         ctx.group = group
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        return (None, None) if g is None else (_all_reduce(g, ctx.group), None)
 
 
 @spmd.register_autograd_function(op="all_reduce", axis=_group_axis, src=spmd.P, dst=spmd.I)
 class ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         return _all_reduce(x, group)
 
     @staticmethod
@@ -147,24 +159,26 @@ class ReduceFromRegion(torch.autograd.Function):
 class GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         ctx.group = group
         return _all_gather(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _my_slice(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        return (None, None) if g is None else (_my_slice(g, ctx.group), None)
 
 
 @spmd.register_autograd_function(op="convert", axis=_group_axis, src=spmd.I, dst=spmd.S(0))
 class ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         ctx.group = group
         return _my_slice(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        return (None, None) if g is None else (_all_gather(g, ctx.group), None)
 
 
 @spmd.register_autograd_function(op="all_reduce", axis=_group_axis, src=spmd.P, dst=spmd.I)
@@ -173,12 +187,13 @@ class WrongReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
         ctx.group = group
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        return (None, None) if g is None else (_all_reduce(g, ctx.group), None)
 
 
 class UnregisteredTanh(FusedTanh.__base__):  # type: ignore[misc,name-defined]
@@ -187,6 +202,11 @@ class UnregisteredTanh(FusedTanh.__base__):  # type: ignore[misc,name-defined]
     forward = FusedTanh.forward
     backward = FusedTanh.backward
 
+
+# A Function whose output no gradient reaches (beside a reached output of a multi-output op, a foreach) still
+# gets its backward called, with zeros, unless it turns materialized gradients off; torch's own ops give no
+# gradient at all, which an optimizer's weight decay tells apart from zeros (found at nightly size). Every
+# Function above turns them off, as the oracle's plain ops behave.
 
 # name -> the Function (the oracle knows each one's meaning under the same name)
 FUNCTIONS: dict[str, type[torch.autograd.Function]] = {

@@ -318,7 +318,9 @@ def _type_op_moves(v: Val, axes: tuple[tuple[str, int], ...], good: bool) -> lis
     out = []
     for k, (axis, n) in enumerate(axes):
         t = v.types[k]
-        claims = [t] if good else [c for c in ("R", "I", "V", "P", "S0") if _base(c) != _base(t)]
+        # an S(0) claim on a 0-d value is a bad argument (a ValueError), not an ill-typed program
+        claims = [t] if good else [c for c in ("R", "I", "V", "P", "S0") if _base(c) != _base(t)
+                                   and (c != "S0" or v.shape)]
         for c in claims:
             for op, src, dst, params, shape in _type_moves(c, v.shape, n):
                 types = v.types[:k] + (dst,) + v.types[k + 1:]
