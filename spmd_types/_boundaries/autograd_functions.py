@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from .._checker.reading import present
 from .._checker.tensor import _wrap
 from .._comm.call import begin, type_result, unwrap
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
@@ -356,11 +357,12 @@ def _is_axis_callable(axis: Any) -> bool:
     return callable(axis) and not isinstance(axis, (str, dist.ProcessGroup))
 
 
-def _arg_types(args: tuple) -> list[Any]:
+def _arg_types(cls: type, args: tuple) -> list[Any]:
+    """Per argument: a tensor's types presented on the current mesh (None if plain), else the argument itself."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            out.append(getattr(a, "_spmd_types", None))
+            out.append(present(a, cls.__qualname__)[0] if getattr(a, "_spmd_types", None) is not None else None)
         else:
             out.append(a)
     return out
@@ -368,7 +370,7 @@ def _arg_types(args: tuple) -> list[Any]:
 
 def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
     assert reg.rule is not None
-    result = reg.rule(*_arg_types(args))
+    result = reg.rule(*_arg_types(cls, args))
     if isinstance(result, Rejection):
         raise SpmdTypeError(result, user_source_line())
     if isinstance(result, (tuple, list)):

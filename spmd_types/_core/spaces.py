@@ -8,7 +8,9 @@ A type moves between two presentations when:
 * the remaining axes of each side, taken outermost first, split into groups
   whose flattenings are the same region, and every axis of a source group has
   the same type, which each axis of the matching target group then gets
-  (``(dp: V, cp: V)`` -> ``dp_cp: V``; ``(dp: R, cp: V)`` cannot flatten).
+  (``(dp: V, cp: V)`` -> ``dp_cp: V``; ``(dp: R, cp: V)`` cannot flatten);
+  varying types that differ only in layout (``(edp: V, ep: S(0))``) give V, the
+  layout dropped (a shard is a varying value whose layout one axis alone knows).
 
 Anything else is refused with the reason, never guessed.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .axes import MeshAxis, flatten
-from .types import Space, SpmdType, TypeMap
+from .types import Space, SpmdType, TypeMap, V
 
 __all__ = ["move_types", "move_spec", "rehome", "GroupMove"]
 
@@ -87,14 +89,17 @@ def _walk(src: list, dst: list) -> list[tuple[tuple[str, ...], tuple[str, ...], 
             else:
                 return "the two meshes do not cover the same ranks: " + _leftover(sg, dg)
         kinds = {t for _, _, t in sg}
-        if len(kinds) > 1:
+        kind = sg[0][2]
+        if len(kinds) > 1 and all(t.is_varying for t in kinds):
+            kind = V  # V and S(d) mixed: different on every rank of the group, with no one layout to keep
+        elif len(kinds) > 1:
             shown = ", ".join(f"{n}: {t}" for n, _, t in sg)
             return (f"axes {_names(sg)} would flatten into {_names(dg)}, but their types differ ({shown}); "
                     "a flattened axis has one type")
         if flatten([r for _, r, _ in sg]) != flatten([r for _, r in dg]):
             return (f"axes {_names(sg)} and {_names(dg)} have the same size but run over different ranks "
                     f"({flatten([r for _, r, _ in sg]).layout()} vs {flatten([r for _, r in dg]).layout()})")
-        groups.append((tuple(n for n, _, _ in sg), tuple(n for n, _ in dg), sg[0][2]))
+        groups.append((tuple(n for n, _, _ in sg), tuple(n for n, _ in dg), kind))
     return groups
 
 

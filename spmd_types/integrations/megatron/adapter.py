@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..._boundaries import autograd_functions as _af
 from ..._core.errors import Rejection
-from ..._core.mesh import current_mesh
+from ..._core.mesh import current_mesh, set_current_mesh
 from ..._core.types import I, P, R, S, SpmdType, TypeMap, V
 
 __all__ = ["register", "mesh", "type_parameters", "parameter_types", "axis_of_group", "track_grad_sync", "FUNCTIONS"]
@@ -69,11 +69,29 @@ def axis_of_group(group: Any) -> str:
     )
 
 
-def mesh() -> dict[str, Any]:
+def axes_of_group(group: Any) -> tuple[str, ...]:
+    """The current mesh's typed axes a Megatron group runs over: one, several (a flattened group such as
+    ``tp_ep``), or none (a group of one rank: a collective over it changes no type).
+
+    Example::
+
+        with spmd.set_current_mesh(spmd_megatron.mesh(expert=True)):
+            spmd_megatron.axes_of_group(parallel_state.get_expert_tensor_and_model_parallel_group())  # ('ep', 'etp')
+    """
+    if current_mesh() is None:
+        raise ValueError("spmd_megatron: no mesh is current: wrap the code in spmd.set_current_mesh(spmd_megatron.mesh())")
+    from ..._core.mesh import resolve_axes
+
+    return resolve_axes(group)
+
+
+def mesh(expert: bool = False) -> dict[str, Any]:
     """``{axis: ProcessGroup}`` for this rank from ``megatron.core.parallel_state``, for ``spmd.set_current_mesh``.
 
-    Always ``dp`` and ``tp``; ``cp``, ``pp`` and ``ep`` where initialized with
-    more than one rank, and ``etp`` with ``ep``. The groups are Megatron's own objects.
+    The dense mesh: always ``dp`` and ``tp``; ``cp`` and ``pp`` where
+    initialized with more than one rank. ``expert=True``: the expert mesh over
+    the same ranks, ``edp``, ``ep``, ``etp`` (Megatron's parallel folding; see
+    ``integrations/megatron/moe.py``). The groups are Megatron's own objects.
 
     Example::
 
@@ -83,14 +101,16 @@ def mesh() -> dict[str, Any]:
     """
     from megatron.core import parallel_state as ps
 
+    if expert:
+        from .moe import expert_mesh
+
+        return expert_mesh()
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("spmd_megatron.mesh(): call megatron.core.parallel_state.initialize_model_parallel first")
     axes: dict[str, Any] = {"dp": ps.get_data_parallel_group(), "tp": ps.get_tensor_model_parallel_group()}
     optional = (
         ("cp", ps.get_context_parallel_group, ps.get_context_parallel_world_size),
         ("pp", ps.get_pipeline_model_parallel_group, ps.get_pipeline_model_parallel_world_size),
-        ("ep", ps.get_expert_model_parallel_group, ps.get_expert_model_parallel_world_size),
-        ("etp", ps.get_expert_tensor_parallel_group, ps.get_expert_tensor_parallel_world_size),
     )
     for name, group_of, size_of in optional:
         try:
@@ -99,8 +119,6 @@ def mesh() -> dict[str, Any]:
             continue
         if size and size > 1:
             axes[name] = group_of()
-    if "ep" not in axes:  # without expert parallelism the expert-tp group is the tp group: no axis of its own
-        axes.pop("etp", None)
     if "cp" in axes:  # Megatron's gradients sync over dp x cp; dp alone excludes cp
         axes["dp"] = ps.get_data_parallel_group(with_context_parallel=False)
     return axes
@@ -182,15 +200,17 @@ def _tp_linear(x: SpmdType, w: SpmdType, b: SpmdType | None, sp: bool, ar_dgrad:
     return _linear(x, w, b, axis, what)
 
 
-def _per_axis(args_types: list[TypeMap | None], tp: str, tp_rule: Callable[..., Any],
+def _per_axis(args_types: list[TypeMap | None], axes: tuple[str, ...], on_axis: Callable[..., Any],
               other: Callable[..., Any]) -> dict[str, SpmdType] | Rejection:
+    """The rule axis by axis: ``on_axis(axis, *types)`` on the Function's group's axes (several for a
+    flattened group, none for a group of one rank), ``other(axis, *types)`` on the rest of the mesh."""
     m = current_mesh()
     out: dict[str, SpmdType] = {}
     for axis in m.axis_names:
         per = [_on(t, axis) for t in args_types]
         if m.size(axis) == 1 and all(t is None for t in per):
             continue  # an axis of one rank whose inputs carry no type there: nothing to check or to give
-        got = tp_rule(*per) if axis == tp else other(axis, *per)
+        got = on_axis(axis, *per) if axis in axes else other(axis, *per)
         if isinstance(got, Rejection):
             return got
         out[axis] = got
@@ -209,10 +229,10 @@ def _linear_rule(cls_name: str, sp_index: int | None, ar_index: int, group_index
         sp = bool(args[sp_index]) if sp_index is not None else False
         ar = bool(args[ar_index])
         group = args[group_index]
-        tp = axis_of_group(group) if group is not None else _tp_axis()
+        tp = axes_of_group(group) if group is not None else _tp_axes()
 
-        def on_tp(xt, wt, bt):
-            return _tp_linear(_fill(xt, R), _fill(wt, R), bt, sp, ar, tp, cls_name)
+        def on_tp(axis, xt, wt, bt):
+            return _tp_linear(_fill(xt, R), _fill(wt, R), bt, sp, ar, axis, cls_name)
 
         def other(axis, xt, wt, bt):
             return _linear(_fill(xt, R), _fill(wt, R), bt, axis, cls_name)
@@ -222,10 +242,10 @@ def _linear_rule(cls_name: str, sp_index: int | None, ar_index: int, group_index
     return rule
 
 
-def _tp_axis() -> str:
+def _tp_axes() -> tuple[str, ...]:
     from megatron.core import parallel_state as ps
 
-    return axis_of_group(ps.get_tensor_model_parallel_group())
+    return axes_of_group(ps.get_tensor_model_parallel_group())
 
 
 def _cross_entropy_rule(group_index: int | None) -> Callable[..., Any]:
@@ -233,26 +253,26 @@ def _cross_entropy_rule(group_index: int | None) -> Callable[..., Any]:
 
     def rule(*args: Any) -> Any:
         logits = args[0]
-        tp = axis_of_group(args[group_index]) if group_index is not None else _tp_axis()
+        tp = axes_of_group(args[group_index]) if group_index is not None else _tp_axes()
         smoothing = args[2] if group_index is None and len(args) > 2 else 0.0
         if smoothing:
             return _reject(
                 "vocab_parallel_cross_entropy with label_smoothing > 0 has no sound type: its forward takes the "
                 "mean log-probability over this rank's vocab shard only, so the loss differs per tp rank "
                 "(neither I nor a pending sum)",
-                [("axis", tp), ("label_smoothing", str(smoothing))],
+                [("axis", ", ".join(tp)), ("label_smoothing", str(smoothing))],
                 ["vocab_parallel_cross_entropy(logits, labels)  # label_smoothing=0.0",
                  "all-reduce the smoothing term over tp yourself (Megatron-LM issue #737)"])
 
-        def on_tp(lt, _target):
+        def on_tp(axis, lt, _target):
             if lt is None or not lt.is_varying:
                 return _reject(
-                    f"vocab-parallel cross entropy: its logits must be sharded on the vocab dim (S(-1)) on {tp!r}; "
-                    f"its forward all-reduces MAX and SUM over {tp!r} and its backward is local, so the loss is I",
-                    [("axis", tp), ("logits", str(lt))],
+                    f"vocab-parallel cross entropy: its logits must be sharded on the vocab dim (S(-1)) on {axis!r}; "
+                    f"its forward all-reduces MAX and SUM over {axis!r} and its backward is local, so the loss is I",
+                    [("axis", axis), ("logits", str(lt))],
                     ["keep the logits vocab-sharded: GPTModel(parallel_output=True), or the output layer's "
                      "ColumnParallelLinear(..., gather_output=False)"]
-                    + ([f"spmd.convert(logits, {tp!r}, src=spmd.{lt}, dst=spmd.S(-1))"] if lt in (I, R) else []))
+                    + ([f"spmd.convert(logits, {axis!r}, src=spmd.{lt}, dst=spmd.S(-1))"] if lt in (I, R) else []))
             return I
 
         def other(axis, lt, _target):
@@ -269,23 +289,33 @@ def _cross_entropy_rule(group_index: int | None) -> Callable[..., Any]:
 
 
 def _gather_sp_rule(*args: Any) -> Any:
-    """_GatherFromSequenceParallelRegion: S(0) -> R (tensor_parallel_output_grad=True) or I (False)."""
-    x, group, tp_grad = args[0], args[1], (args[2] if len(args) > 2 else True)
-    tp = axis_of_group(group)
-    if len(args) > 3 and args[3] is not None:
-        return _reject("gather_from_sequence_parallel_region with output_split_sizes (uneven all-gather) has no "
-                       "typed equivalent: the shards' sizes differ per rank",
-                       [("axis", tp), ("output_split_sizes", str(args[3]))],
-                       ["pad the sequence to a multiple of the tp size and gather evenly"])
+    """_GatherFromSequenceParallelRegion: S(0) -> R (tensor_parallel_output_grad=True) or I (False).
 
-    def on_tp(xt):
+    With ``output_split_sizes`` (the alltoall token dispatcher's gather over
+    etp) the pieces differ in length: V -> R or I, the backward an uneven
+    reduce-scatter or split with the same sizes.
+    """
+    x, group, tp_grad = args[0], args[1], (args[2] if len(args) > 2 else True)
+    tp = axes_of_group(group)
+    sizes = args[3] if len(args) > 3 else None
+    if sizes is not None and tp and len(sizes) != _group_size(group):
+        return _reject("gather_from_sequence_parallel_region: output_split_sizes needs one size per rank of the group",
+                       [("axis", ", ".join(tp)), ("output_split_sizes", str(list(sizes))),
+                        ("group size", str(_group_size(group)))],
+                       ["pass one length per rank of the group, in rank order"])
+
+    def on_tp(axis, xt):
         if xt is None or not xt.is_varying:
-            return _reject(f"gather_from_sequence_parallel_region all-gathers along dim 0: its input must be S(0) on "
-                           f"{tp!r}", [("axis", tp), ("input", str(xt))],
-                           [f"spmd.convert(input, {tp!r}, src=spmd.{xt}, dst=spmd.S(0))"])
+            return _reject(f"gather_from_sequence_parallel_region all-gathers along dim 0: its input must be "
+                           f"{'V' if sizes is not None else 'S(0)'} on {axis!r}", [("axis", axis), ("input", str(xt))],
+                           [f"spmd.convert(input, {axis!r}, src=spmd.{xt}, dst=spmd.S(0))"])
         return R if tp_grad else I
 
     return _per_axis([x], tp, on_tp, lambda axis, xt: _fill(xt, R))
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group)
 
 
 def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
@@ -298,16 +328,17 @@ def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
     """
 
     def rule(*args: Any) -> Any:
-        tp = axis_of_group(args[1])
+        tp = axes_of_group(args[1])
+        uneven = len(args) > 2 and args[2] is not None  # input_split_sizes: pieces of different lengths, V
 
-        def on_tp(xt):
+        def on_tp(axis, xt):
             if xt is P or (xt is not None and xt.is_varying):
-                return dst
-            return _reject(f"{name} sums over {tp!r}, but its input is {xt} there: the same value on every rank, "
+                return V if uneven else dst
+            return _reject(f"{name} sums over {axis!r}, but its input is {xt} there: the same value on every rank, "
                            "so the sum multiplies it by the group size",
-                           [("axis", tp), ("input", str(xt))],
+                           [("axis", axis), ("input", str(xt))],
                            [f"drop the {name}: the value is already complete on every rank",
-                            f"spmd.convert(input, {tp!r}, src=spmd.{xt}, dst=spmd.P)  # if one rank's copy is meant"])
+                            f"spmd.convert(input, {axis!r}, src=spmd.{xt}, dst=spmd.P)  # if one rank's copy is meant"])
 
         return _per_axis([args[0]], tp, on_tp, lambda axis, xt: _fill(xt, R))
 
@@ -320,13 +351,13 @@ def _all_to_all_rule(*args: Any) -> Any:
     A rule, not ``op="all_to_all"``: a registration cannot pass
     ``split_dim=0, concat_dim=0``, and uneven splits (all-to-all-v) are V -> V too.
     """
-    tp = axis_of_group(args[0])
+    tp = axes_of_group(args[0])
 
-    def on_tp(xt):
+    def on_tp(axis, xt):
         if xt is None or not xt.is_varying:
             return _reject(f"Megatron's all_to_all exchanges different rows with every rank: its input must be V on "
-                           f"{tp!r}", [("axis", tp), ("input", str(xt))],
-                           [f"spmd.convert(input, {tp!r}, src=spmd.{xt}, dst=spmd.V)"])
+                           f"{axis!r}", [("axis", axis), ("input", str(xt))],
+                           [f"spmd.convert(input, {axis!r}, src=spmd.{xt}, dst=spmd.V)"])
         return V
 
     return _per_axis([args[1]], tp, on_tp, lambda axis, xt: _fill(xt, R))
@@ -337,8 +368,9 @@ def _all_to_all_rule(*args: Any) -> Any:
 
 
 def _group_arg(i: int) -> Callable[[tuple, dict], Any]:
-    """The axis of the Function's group argument ``args[i]`` (the group itself when no mesh is current)."""
-    return lambda args, kwargs: axis_of_group(args[i]) if current_mesh() is not None else args[i]
+    """The Function's group argument ``args[i]``: the checker finds its axes by ranks (several for a flattened
+    group, none for a group of one rank)."""
+    return lambda args, kwargs: args[i]
 
 
 def _table() -> list[tuple[type, dict[str, Any], str]]:
@@ -444,7 +476,9 @@ def register() -> list[type]:
     """
     if _REGISTERED:
         return list(_REGISTERED)
-    table = _table()
+    from .moe import moe_table
+
+    table = _table() + moe_table()
     _report_callers_of_megatron_tensor_parallel()
     for cls, how, _ in table:
         _af.register_autograd_function(cls, **how)
@@ -488,7 +522,9 @@ def parameter_types(param: torch.nn.Parameter, axes: Iterable[str]) -> dict[str,
                 "not typed yet: type them with spmd.assert_type yourself"
             )
     if not getattr(param, "allreduce", True):
-        raise NotImplementedError("spmd_megatron.type_parameters: expert parameters (allreduce=False) are not typed yet")
+        raise ValueError("spmd_megatron.parameter_types: an expert parameter (allreduce=False) lives on the expert "
+                         "mesh: spmd_megatron.expert_parameter_types(param, axes) inside "
+                         "spmd.set_current_mesh(spmd_megatron.mesh(expert=True)); type_parameters does both")
     return out
 
 
@@ -504,13 +540,27 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
             spmd_megatron.type_parameters(model)
     """
     from ..._checker.asserts import assert_type
+    from .moe import expert_parameter_types, install_expert_mesh_hooks, moe_layers
 
     m = current_mesh()
     if m is None:
         raise ValueError("spmd_megatron.type_parameters: no mesh is current: wrap it in "
                          "spmd.set_current_mesh(spmd_megatron.mesh())")
+    layers = moe_layers(model)
+    experts = {id(p) for _, layer in layers if layer.experts is not None for p in layer.experts.parameters()}
     typed: dict[str, dict[str, SpmdType]] = {}
+    if layers:
+        emesh = mesh(expert=True)
+        install_expert_mesh_hooks(model, emesh)
+        with set_current_mesh(emesh) as em:
+            for name, p in model.named_parameters():
+                if id(p) in experts:
+                    typed[name] = expert_parameter_types(p, em.axis_names)
+                    assert_type(p, typed[name])
+                    p.__dict__.setdefault("_spmd_name", name)
     for name, p in model.named_parameters():
+        if id(p) in experts:
+            continue
         types = parameter_types(p, m.axis_names)
         assert_type(p, types)
         p.__dict__.setdefault("_spmd_name", name)
