@@ -7,6 +7,7 @@ made once after ``parallel_state.initialize_model_parallel``::
 
     spmd_megatron.register()                  # Megatron-core's autograd Functions, with their types
     mesh = spmd_megatron.mesh()               # {"dp": group, "tp": group, ...} from parallel_state
+                                              # (mesh(expert=True): edp, ep, etp, current inside MoE layers)
     with spmd.set_current_mesh(mesh), spmd.typecheck():
         spmd_megatron.type_parameters(model)  # every parameter typed from Megatron's own attributes
         loss = model(tokens, position_ids, attention_mask, labels=labels)
@@ -17,6 +18,7 @@ module does not import it. See docs/megatron_core.md.
 
 from .integrations.megatron.adapter import (
     FUNCTIONS,
+    axes_of_group,
     axis_of_group,
     mesh,
     parameter_types,
@@ -24,5 +26,7 @@ from .integrations.megatron.adapter import (
     track_grad_sync,
     type_parameters,
 )
+from .integrations.megatron.moe import expert_parameter_types, layer_mesh
 
-__all__ = ["register", "mesh", "type_parameters", "parameter_types", "axis_of_group", "track_grad_sync", "FUNCTIONS"]
+__all__ = ["register", "mesh", "type_parameters", "parameter_types", "expert_parameter_types", "layer_mesh",
+           "axis_of_group", "axes_of_group", "track_grad_sync", "FUNCTIONS"]

@@ -76,10 +76,11 @@ def _functions_in_megatron() -> set[type]:
 
     import megatron.core.fusions as fusions
     import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.transformer.moe as moe
     from megatron.core.utils import MakeViewlessTensor
 
     found = {MakeViewlessTensor}
-    for pkg in (tensor_parallel, fusions):
+    for pkg in (tensor_parallel, fusions, moe):
         for info in pkgutil.iter_modules(pkg.__path__):
             mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
             for obj in vars(mod).values():
@@ -95,7 +96,7 @@ def test_register_covers_every_function_and_is_idempotent(cpu):
     missing = {f"{c.__module__}.{c.__qualname__}" for c in _functions_in_megatron()} - {
         f"{c.__module__}.{c.__qualname__}" for c in first}
     assert not missing, missing
-    assert len(first) == len(spmd_megatron.FUNCTIONS) == 32
+    assert len(first) == len(spmd_megatron.FUNCTIONS) == 39  # 32 dense, 7 under transformer.moe
 
 
 def _verify_cases(g):
@@ -379,9 +380,10 @@ def test_every_adapter_message(cpu):
          "vocab-parallel cross entropy is not linear: its logits must not be P on 'dp'"),
         (lambda: _adapter._gather_sp_rule(tm(I), group, True),
          "gather_from_sequence_parallel_region all-gathers along dim 0: its input must be S(0) on 'tp'"),
-        (lambda: _adapter._gather_sp_rule(tm(S(0)), group, True, [3, 5]),
-         "gather_from_sequence_parallel_region with output_split_sizes (uneven all-gather) has no typed "
-         "equivalent: the shards' sizes differ per rank"),
+        (lambda: _adapter._gather_sp_rule(tm(V), group, True, [3, 5, 2]),
+         "gather_from_sequence_parallel_region: output_split_sizes needs one size per rank of the group"),
+        (lambda: _adapter._gather_sp_rule(tm(I), group, True, [3, 5]),
+         "gather_from_sequence_parallel_region all-gathers along dim 0: its input must be V on 'tp'"),
         (lambda: _adapter._all_to_all_rule(group, tm(I), None, None),
          "Megatron's all_to_all exchanges different rows with every rank: its input must be V on 'tp'"),
     ]
@@ -404,10 +406,11 @@ def test_every_adapter_message(cpu):
                               "parallel) are not typed yet: type them with spmd.assert_type yourself")
     expert = torch.nn.Parameter(torch.ones(2))
     expert.allreduce = False
-    with pytest.raises(NotImplementedError) as err:
+    with pytest.raises(ValueError) as err:
         spmd_megatron.parameter_types(expert, ("dp", "tp"))
-    assert str(err.value) == ("spmd_megatron.type_parameters: expert parameters (allreduce=False) are not typed "
-                              "yet")
+    assert str(err.value) == ("spmd_megatron.parameter_types: an expert parameter (allreduce=False) lives on the "
+                              "expert mesh: spmd_megatron.expert_parameter_types(param, axes) inside "
+                              "spmd.set_current_mesh(spmd_megatron.mesh(expert=True)); type_parameters does both")
     ps.destroy_model_parallel()
     with pytest.raises(RuntimeError) as err:
         spmd_megatron.mesh()

@@ -28,7 +28,8 @@ from ..._core.errors import Rejection
 from ..._core.mesh import current_mesh, set_current_mesh
 from ..._core.types import I, P, R, S, SpmdType, TypeMap, V
 
-__all__ = ["register", "mesh", "type_parameters", "parameter_types", "axis_of_group", "track_grad_sync", "FUNCTIONS"]
+__all__ = ["register", "mesh", "type_parameters", "parameter_types", "axis_of_group", "axes_of_group", "track_grad_sync",
+           "FUNCTIONS"]
 
 _REGISTERED: list[type] = []
 
@@ -540,7 +541,7 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
             spmd_megatron.type_parameters(model)
     """
     from ..._checker.asserts import assert_type
-    from .moe import expert_parameter_types, install_expert_mesh_hooks, moe_layers
+    from .moe import expert_parameter_types, install_expert_mesh_hooks, layer_mesh, moe_layers
 
     m = current_mesh()
     if m is None:
@@ -551,7 +552,7 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
     typed: dict[str, dict[str, SpmdType]] = {}
     if layers:
         emesh = mesh(expert=True)
-        install_expert_mesh_hooks(model, emesh)
+        install_expert_mesh_hooks(model, layer_mesh(mesh(), emesh))
         with set_current_mesh(emesh) as em:
             for name, p in model.named_parameters():
                 if id(p) in experts:

@@ -24,6 +24,7 @@ context manager; run the forward, backward and optimizer step inside
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._checker.tensor import make_typed
+from ..._core.axes import MeshAxis, flatten, orthogonal, region_of_group
 from ..._core.errors import Rejection, SpmdTypeError, user_source_line
 from ..._core.types import P, R, TypeMap
 from ..._guards.optim_checks import mark_grad
@@ -132,13 +134,6 @@ class GradSyncTracker(TorchDispatchMode):
             self._flattened(_tensors(args[0]), out)
         return out
 
-    def _axis(self, group: Any) -> str | None:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        for axis, g in self.mesh.items():
-            if g is group or tuple(dist.get_process_group_ranks(g)) == ranks:
-                return axis
-        return None
-
     def _flattened(self, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
         names = [n for n, p in self.params.items()
                  if any(_overlaps(_span(p.main_grad), _span(t)) for t in inputs)]
@@ -155,16 +150,49 @@ class GradSyncTracker(TorchDispatchMode):
 
     def _summed(self, op: str, args: tuple) -> None:
         group = _group_of(args[1:])
-        axis = self._axis(group) if group is not None else None
-        if axis is None:
+        if group is None:
             return
+        region = region_of_group(group)
         for t in _tensors(args[0]):
             for name in self._covered(t):
                 p = self.params[name]
                 have = p.main_grad._spmd_types
-                if have.get(axis) is not P:
-                    raise _double_sum(name, axis, have)
-                p.main_grad._spmd_types = have.replace(axis, R)
+                axes = _axes_in(have, region)
+                if axes is None:
+                    raise _not_an_axis(name, have, region)
+                for axis in axes:
+                    if have.get(axis) is not P:
+                        raise _double_sum(name, axis, have)
+                    have = have.replace(axis, R)
+                p.main_grad._spmd_types = have
+
+
+def _axes_in(types: TypeMap, region: MeshAxis) -> tuple[str, ...] | None:
+    """The axes of the gradient's own mesh (dense or expert) a group over ``region`` sums over; None if no
+    set of them flattens to it. A group of one rank sums over none."""
+    if region.size() == 1:
+        return ()
+    pairs = types.space.pairs if types.space is not None else ()
+    for k in range(1, len(pairs) + 1):
+        for chosen in itertools.combinations(pairs, k):
+            regions = [r for _, r in chosen]
+            if orthogonal(regions) and flatten(regions) == region:
+                return tuple(n for n, _ in chosen)
+    return None
+
+
+def _not_an_axis(name: str, have: TypeMap, region: MeshAxis) -> SpmdTypeError:
+    axes = ", ".join(f"{n}={r.layout()}" for n, r in (have.space.pairs if have.space is not None else ()))
+    return SpmdTypeError(
+        Rejection(
+            f"A gradient is summed over a group (ranks {region.layout()}) that is neither an axis of its mesh nor a "
+            "flattening of its axes; the sum covers part of an axis and mixes what it should not.",
+            [("parameter", name), ("gradient", have.format()), ("its mesh", axes)],
+            [f"sum {name} over the group of the axes where it is P (an expert parameter: the expert data-parallel "
+             "group)"],
+        ),
+        user_source_line(),
+    )
 
 
 def _double_sum(name: str, axis: str, have: TypeMap) -> SpmdTypeError:

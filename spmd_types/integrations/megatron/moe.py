@@ -32,7 +32,7 @@ from ..._core.errors import Rejection
 from ..._core.mesh import current_mesh, set_current_mesh
 from ..._core.types import I, P, R, S, SpmdType, TypeMap, V
 
-__all__ = ["expert_mesh", "moe_table", "expert_parameter_types", "moe_layers", "install_expert_mesh_hooks"]
+__all__ = ["expert_mesh", "layer_mesh", "moe_table", "expert_parameter_types", "moe_layers", "install_expert_mesh_hooks"]
 
 
 def expert_mesh() -> dict[str, Any]:
@@ -59,6 +59,51 @@ def expert_mesh() -> dict[str, Any]:
     if ps.get_pipeline_model_parallel_world_size() > 1:
         axes["pp"] = ps.get_pipeline_model_parallel_group()
     return axes
+
+
+def layer_mesh(dense: dict[str, Any], expert: dict[str, Any]) -> dict[str, Any]:
+    """The mesh current inside an MoE layer: the expert mesh, or, where a dense group is no flattening of expert
+    axes, the coarsest mesh whose axes flatten into every dense and every expert axis (their common refinement).
+
+    The router reduces over the dense ``tp`` (and ``cp``) groups and the
+    dispatcher over the expert groups, in one layer. With ``etp == tp`` (the
+    default) the expert mesh has both; with ``tp=2, etp=1, ep=4`` on 8 ranks,
+    ``ep`` spans ``tp`` and half of ``dp``, and the layer runs on
+    ``(edp, ep.dp, tp)``: an axis that is part of one mesh's axis and part of
+    the other's is named ``<expert axis>.<dense axis>``.
+
+    Example::
+
+        spmd_megatron.layer_mesh(spmd_megatron.mesh(), spmd_megatron.mesh(expert=True))
+    """
+    from ..._core.axes import MeshAxis, region_of_group
+
+    regions = {**{("e", n): region_of_group(g) for n, g in expert.items()},
+               **{("d", n): region_of_group(g) for n, g in dense.items()}}
+    if any(r.atoms is None for r in regions.values()):
+        return expert
+    bounds = {1}
+    for r in regions.values():
+        for size, stride in r.atoms:  # type: ignore[union-attr]
+            bounds.update((stride, size * stride))
+    cuts = sorted(bounds)
+    atoms = [(cuts[k + 1] // cuts[k], cuts[k]) for k in range(len(cuts) - 1)
+             if cuts[k + 1] % cuts[k] == 0 and any(_covers(r, cuts[k], cuts[k + 1]) for r in regions.values())]
+    expert_atoms = sorted(a for (side, _), r in regions.items() if side == "e" for a in r.atoms)  # type: ignore
+    if sorted(atoms) == expert_atoms:
+        return expert
+    out: dict[str, Any] = {}
+    for size, stride in sorted(atoms, key=lambda a: -a[1]):
+        region = MeshAxis.of(size, stride)
+        owner = {side: n for (side, n), r in regions.items() if _covers(r, stride, size * stride)}
+        same = [n for (side, n), r in regions.items() if r == region]
+        out[same[0] if same else f"{owner.get('e', '?')}.{owner.get('d', '?')}"] = region
+    return out
+
+
+def _covers(region: Any, lo: int, hi: int) -> bool:
+    """Whether a region's atoms include the stride range [lo, hi)."""
+    return any(stride <= lo and hi <= size * stride for size, stride in region.atoms)
 
 
 # ---------------------------------------------------------------------------
