@@ -199,11 +199,12 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def expert_parameter_types(param: torch.nn.Parameter, axes: tuple[str, ...]) -> dict[str, SpmdType]:
-    """The type of an expert parameter on each of the expert mesh's ``axes``.
+    """The type of an expert parameter on each of the expert mesh's ``axes`` (``edp``, ``ep``, ``etp``).
 
     ``edp``: R (its gradient is P until the expert data-parallel sync);
     ``ep``: V (each rank holds its own experts); ``etp``: ``S(partition_dim)``
-    for a shard, else I.
+    for a shard, else I. ``type_parameters`` adds the axes both meshes share
+    (``pp``) from :func:`parameter_types`.
 
     Example::
 
@@ -219,9 +220,8 @@ def expert_parameter_types(param: torch.nn.Parameter, axes: tuple[str, ...]) -> 
             out[axis] = (S(int(getattr(param, "partition_dim", 0))) if getattr(param, "tensor_model_parallel", False)
                          else I)
         else:
-            from .adapter import parameter_types
-
-            out.update(parameter_types(param, (axis,)))
+            raise ValueError(f"spmd_megatron.expert_parameter_types: {axis!r} is not an axis of the expert mesh "
+                             "(edp, ep, etp)")
     return out
 
 
