@@ -51,14 +51,20 @@ class Patcher:
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any]] = []
 
-    def __call__(self, obj: Any, name: str, value: Any) -> None:
-        self.saved.append((obj, name, getattr(obj, name)))
+    def __call__(self, obj: Any, name: str, value: Any, raising: bool = True) -> None:
+        self.saved.append((obj, name, getattr(obj, name) if raising else getattr(obj, name, _MISSING)))
         setattr(obj, name, value)
 
     def undo(self) -> None:
         for obj, name, value in reversed(self.saved):
-            setattr(obj, name, value)
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
         self.saved.clear()
+
+
+_MISSING = object()
 
 
 def init_parallel(tp: int, **kwargs: Any) -> None:

@@ -61,6 +61,7 @@ class Registration(NamedTuple):
     rule: Callable[..., Any] | None = None
     original_apply: Any = None  # the class's own ``apply`` before registration, if it defined one
     original_backward: Any = None  # the class's own ``backward``, wrapped to receive plain gradients
+    rule_shapes: bool = False  # the rule takes ``shapes=`` (each argument's shape, None for a non-tensor)
 
 
 _REGISTRY: dict[type, Registration] = {}
@@ -88,7 +89,10 @@ def register_autograd_function(
     positional argument, the tensor's ``TypeMap`` (``None`` if it is a plain
     tensor) or the argument itself when it is not a tensor, and returns the
     output's types (a dict ``{axis: type}``), or a tuple of them for several
-    outputs. Registering again replaces the claim. Usable as a class decorator.
+    outputs; a rule with a ``shapes`` parameter also gets ``shapes=``, each
+    argument's shape (None for a non-tensor), to check sizes (split sizes
+    against rows) before anything runs. Registering again replaces the claim.
+    Usable as a class decorator.
 
     Example::
 
@@ -185,7 +189,7 @@ def _registration(local, op, axis, src, dst, reduce, rule, transparent, cls=None
             raise TypeError(f"register_autograd_function: {', '.join(extra)} go with op=..., not with {kind}")
         if kind == "rule" and not callable(rule):
             raise TypeError(f"register_autograd_function: rule must be callable, got {rule!r}")
-        return Registration(kind, rule=rule)
+        return Registration(kind, rule=rule, rule_shapes=kind == "rule" and _takes_shapes(rule))
     if op not in _OPS:
         raise ValueError(f"register_autograd_function: op must be one of {', '.join(_OPS)}; got {op!r}")
     if axis is None:
@@ -368,9 +372,22 @@ def _arg_types(cls: type, args: tuple) -> list[Any]:
     return out
 
 
+def _takes_shapes(rule: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        return "shapes" in inspect.signature(rule).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+
+
 def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
     assert reg.rule is not None
-    result = reg.rule(*_arg_types(cls, args))
+    if reg.rule_shapes:
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        result = reg.rule(*_arg_types(cls, args), shapes=shapes)
+    else:
+        result = reg.rule(*_arg_types(cls, args))
     if isinstance(result, Rejection):
         raise SpmdTypeError(result, user_source_line())
     if isinstance(result, (tuple, list)):

@@ -229,10 +229,11 @@ def register() -> list[type]:
     """
     if _REGISTERED:
         return list(_REGISTERED)
-    from .moe import moe_table
+    from .moe import check_load_balancing, moe_table
 
     table = _table() + moe_table()
     _report_callers_of_megatron_tensor_parallel()
+    check_load_balancing()
     for cls, how, _ in table:
         _af.register_autograd_function(cls, **how)
         _REGISTERED.append(cls)

@@ -24,12 +24,14 @@ here comes from where the parameter lives, so ``ep == 1`` with ``etp != tp``
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
 
 from ..._core.errors import Rejection
 from ..._core.mesh import current_mesh, set_current_mesh
+from ..._core.state import STATE
 from ..._core.types import I, P, R, S, SpmdType, TypeMap, V
 
 __all__ = ["expert_mesh", "layer_mesh", "moe_table", "expert_parameter_types", "moe_layers", "install_expert_mesh_hooks"]
@@ -185,6 +187,66 @@ def moe_table() -> list[tuple[type, dict[str, Any], str]]:
         table.append((cls, dict(rule=_fused_dispatch_rule(cls.__name__)),
                       "DeepEP / HybridEP fused all-to-all (CUDA only): refused with NotImplementedError"))
     return table
+
+
+def _counts_rule(tokens_per_expert: torch.Tensor) -> None:
+    """The load-balancing loss's contract: the token counts are the whole micro-batch's on the router's group.
+
+    Megatron's formula (``switch_load_balancing_loss_func``) pairs each rank's
+    own probabilities with one count per expert for all the tokens of the
+    sequence-sharded group (tp x cp): the counts must be the same on every rank
+    there (I or R), all-reduced before the loss.
+    """
+    from megatron.core import parallel_state as ps
+
+    from ..._checker.reading import present
+    from ..._core.errors import SpmdTypeError, user_source_line
+    from .rules import axes_of_group
+
+    if getattr(tokens_per_expert, "_spmd_types", None) is None or current_mesh() is None:
+        return
+    types = present(tokens_per_expert, "switch_load_balancing_loss_func")[0]
+    for axis in axes_of_group(ps.get_tensor_and_context_parallel_group()):
+        t = types.get(axis)
+        if t is not None and t is not I and t is not R:
+            raise SpmdTypeError(
+                Rejection(
+                    f"switch_load_balancing_loss_func: tokens_per_expert is {t} on {axis!r}, the counts of this "
+                    f"rank's tokens only; the load-balancing loss pairs each rank's probabilities with the counts of "
+                    f"all the tokens of its group (tp x cp), the same on every rank there",
+                    [("axis", axis), ("tokens_per_expert", types.format())],
+                    ["reduce_from_tensor_model_parallel_region(local_tokens_per_expert, tp_cp_group) before the loss "
+                     "(as get_tokens_per_expert_and_token_count does)"],
+                ),
+                user_source_line(),
+            )
+
+
+def _with_counts_rule(fn: Any) -> Any:
+    if getattr(fn, "__spmd_wrapped__", None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def switch_load_balancing_loss_func(probs: Any, tokens_per_expert: Any, *args: Any, **kwargs: Any) -> Any:
+        if STATE.checking:
+            _counts_rule(tokens_per_expert)
+        return fn(probs, tokens_per_expert, *args, **kwargs)
+
+    switch_load_balancing_loss_func.__spmd_wrapped__ = fn  # type: ignore[attr-defined]
+    return switch_load_balancing_loss_func
+
+
+def check_load_balancing() -> None:
+    """Check the token counts given to Megatron's load-balancing loss (the router's calls, idempotent).
+
+    The router calls ``switch_load_balancing_loss_func`` through its module's
+    name for it; that name is wrapped with :func:`_counts_rule` (the function
+    itself is untouched and runs as before; with checking off the wrapper only
+    calls it).
+    """
+    from megatron.core.transformer.moe import router
+
+    router.switch_load_balancing_loss_func = _with_counts_rule(router.switch_load_balancing_loss_func)
 
 
 # ---------------------------------------------------------------------------

@@ -256,13 +256,32 @@ def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
     return rule
 
 
-def _all_to_all_rule(*args: Any) -> Any:
+def _all_to_all_rule(*args: Any, shapes: tuple = ()) -> Any:
     """_AllToAll(group, x, output_split_sizes, input_split_sizes): V -> V on the group's axis.
 
     A rule, not ``op="all_to_all"``: a registration cannot pass
     ``split_dim=0, concat_dim=0``, and uneven splits (all-to-all-v) are V -> V too.
+    The split sizes are checked against the input's rows and the group's size
+    before anything is sent (on the way back they are the dispatch's swapped).
     """
-    tp = axes_of_group(args[0])
+    group, out_sizes, in_sizes = args[0], args[2] if len(args) > 2 else None, args[3] if len(args) > 3 else None
+    tp = axes_of_group(group)
+    rows = shapes[1][0] if len(shapes) > 1 and shapes[1] else None
+    n = _group_size(group)
+    for what, sizes in (("input_split_sizes", in_sizes), ("output_split_sizes", out_sizes)):
+        if sizes is not None and len(sizes) != n:
+            return _reject(f"Megatron's all_to_all: {what} has {len(sizes)} entries for a group of {n} ranks",
+                           [("axis", ", ".join(tp)), (what, str([int(s) for s in sizes]))],
+                           [f"pass one size per rank of the group as {what}"])
+    if in_sizes is not None and rows is not None and int(sum(int(s) for s in in_sizes)) != rows:
+        return _reject(
+            f"Megatron's all_to_all: input_split_sizes add up to {int(sum(int(s) for s in in_sizes))} rows, but the "
+            f"input has {rows}: the rows sent would not be this rank's rows",
+            [("axis", ", ".join(tp)), ("input_split_sizes", str([int(s) for s in in_sizes])),
+             ("output_split_sizes", str(None if out_sizes is None else [int(s) for s in out_sizes])),
+             ("input rows", str(rows))],
+            ["on the way back (the combine), send with the dispatch's output_split_sizes and receive with its "
+             "input_split_sizes: all_to_all(group, x, input_splits, output_splits)"])
 
     def on_tp(axis, xt):
         if xt is None or not xt.is_varying:
