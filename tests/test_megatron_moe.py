@@ -293,3 +293,26 @@ def test_megatron_moe_on_one_device_runs_as_before(cpu):
         spmd_megatron.type_parameters(model)
     loss = forward_backward(model, make_batch(0))
     assert type(loss) is torch.Tensor and loss.shape == batch["tokens"].shape
+
+
+def test_example_megatron_moe_runs_and_catches_its_bug():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SPMD_TYPES_ERRORS": "plain", "OMP_NUM_THREADS": "1"}
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, "examples/megatron_moe.py", *args], cwd=root, capture_output=True,
+                              text=True, env=env, timeout=240)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    out = run()
+    assert "MoE GPTModel (alltoall dispatcher) on a fake group of 8 ranks (tp=2, ep=2, dp=4): typechecked" in out
+    assert "  loss:         {'dp': V, 'tp': I}" in out and "  expert grad:  {'edp': P, 'ep': V, 'etp': S(0)}" in out
+    out = run("--bug", "--dispatcher", "allgather")
+    assert "Invariant (I) values only combine with other I values: torch.mm combines other (I) with input (V)." in out
+    assert "moe_utils.py:" in out and "output = torch.mm(inp.to(router_dtype), weight.to(router_dtype).t())" in out
