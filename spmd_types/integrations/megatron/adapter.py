@@ -482,6 +482,10 @@ def parameter_types(param: torch.nn.Parameter, axes: Iterable[str]) -> dict[str,
                 out[axis] = R
             else:
                 out[axis] = I
+        elif axis == "pp":
+            from .pipeline import parameter_type_on_pp
+
+            out[axis] = parameter_type_on_pp(param)
         else:
             raise NotImplementedError(
                 f"spmd_megatron.type_parameters: parameters on the {axis!r} axis (pipeline / expert parallel) are "
