@@ -163,6 +163,7 @@ def run_pipeline(sp: bool) -> dict[str, Any]:
         "grad_types": sorted({str(spmd.get_type(p.grad)) for p in model.parameters()}),
         "input_types": [str(t) for t in seen.get("input", [])],
         "loss_nonzero": all(float(v.abs()) > 0 for v in losses_t),
+        "grads_nonzero": sum(1 for g in grads_t.values() if float(g.abs().sum()) > 0),  # the gradients crossed
         "awaiting": len(comm._awaiting),
     }
 

@@ -399,8 +399,8 @@ def test_every_adapter_message(cpu):
     assert str(err.value) == ("spmd_megatron.type_parameters: no mesh is current: wrap it in "
                               "spmd.set_current_mesh(spmd_megatron.mesh())")
     with pytest.raises(NotImplementedError) as err:
-        spmd_megatron.parameter_types(torch.nn.Parameter(torch.ones(2)), ("dp", "pp"))
-    assert str(err.value) == ("spmd_megatron.type_parameters: parameters on the 'pp' axis (pipeline / expert "
+        spmd_megatron.parameter_types(torch.nn.Parameter(torch.ones(2)), ("dp", "ep"))
+    assert str(err.value) == ("spmd_megatron.type_parameters: parameters on the 'ep' axis (pipeline / expert "
                               "parallel) are not typed yet: type them with spmd.assert_type yourself")
     expert = torch.nn.Parameter(torch.ones(2))
     expert.allreduce = False
