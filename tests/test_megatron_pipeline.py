@@ -366,6 +366,19 @@ def test_bug_sequence_parallel_output_sent_without_the_gather(cpu):
     assert _at(err.value) == (SUPPORT, "return forward_backward_pipelining_without_interleaving(")  # the user's call
 
 
+def test_bug_next_stage_built_with_sequence_parallel(cpu):
+    # The stages disagree on sequence_parallel: stage 0 sends the whole sequence (I, as declared), and stage 1,
+    # built with sequence parallel, feeds it to a norm whose weight is R (a sequence-parallel parameter).
+    with stage_world(1):
+        model = build_stage(2, sp=True)  # BUG: stage 0 was built with sequence_parallel=False
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            typed_schedule(model, sp=False)
+    assert err.value.rule == ("Invariant (I) values only combine with other I values: F.layer_norm combines input (I) "
+                              "with weight (R). Convert the I operand to R, so that its gradient is all-reduced in "
+                              "backward.")
+    assert _at(err.value) == ("transformer_layer.py", "input_layernorm_output = self.input_layernorm(hidden_states)")
+
+
 def test_bug_stages_declare_different_types(cpu):
     # Each stage's author declares its side: stage 0 sends its sequence shard, stage 1 expects the full sequence.
     with pytest.raises(spmd.SpmdTypeError) as err:
@@ -437,13 +450,13 @@ def _line_of(test: str, code: str) -> int:
     return next(i for i, line in enumerate(lines[start:], start + 1) if line.strip().startswith(code))
 
 
-def _ddp_stage(cpu, sync):
-    """Stage 0 of a tied-embedding GPTModel in Megatron's DDP, one typed step by the schedule; ``sync`` does the sync."""
+def _ddp_stage(cpu, sync, stage: int = 0, dp: int = 2, tied: bool = True):
+    """A stage of a GPTModel in Megatron's DDP, one typed step by the schedule, then ``sync``, then an optimizer step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     accommodate_tied_embedding(cpu.setattr)
-    with stage_world(0):
-        model = build_stage(2, share_embeddings_and_output_weights=True)
+    with stage_world(stage, dp=dp):
+        model = build_stage(2, share_embeddings_and_output_weights=tied)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
         optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
         comm = _comm()
@@ -468,6 +481,15 @@ def test_loop_tied_embedding_gradient_summed_over_pp_by_finalize_model_grads(cpu
     tracker = _ddp_stage(cpu, lambda ddp: finalize_model_grads([ddp]))
     assert tracker.grad_type("module.embedding.word_embeddings.weight") == {"dp": R, "pp": R, "tp": S(0)}
     assert tracker.grad_type("module.decoder.layers.0.mlp.linear_fc1.weight") == {"dp": R, "pp": V, "tp": S(0)}
+    assert tracker.unsynced() == {}
+
+
+def test_loop_with_one_data_parallel_rank(cpu):
+    # pp=2 x tp=2 on 4 ranks leaves dp one rank: Megatron's data-parallel all-reduce over it changes nothing.
+    from megatron.core.distributed import finalize_model_grads
+
+    tracker = _ddp_stage(cpu, lambda ddp: finalize_model_grads([ddp]), stage=1, dp=1, tied=False)
+    assert tracker.grad_type("module.output_layer.weight") == {"pp": V, "tp": S(0)}
     assert tracker.unsynced() == {}
 
 

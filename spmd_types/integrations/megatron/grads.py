@@ -156,8 +156,8 @@ class GradSyncTracker(TorchDispatchMode):
     def _summed(self, op: str, args: tuple) -> None:
         group = _group_of(args[1:])
         axis = self._axis(group) if group is not None else None
-        if axis is None:
-            return
+        if axis is None or group.size() == 1:
+            return  # not an axis of the mesh, or one rank (dp=1 under pp x tp): a sum over one rank is the value
         for t in _tensors(args[0]):
             for name in self._covered(t):
                 p = self.params[name]
