@@ -341,6 +341,18 @@ def test_a_gradient_of_the_wrong_type_is_refused(cpu):
     assert x is not None
 
 
+def test_an_activation_sent_as_R_on_pp_is_refused(cpu):
+    # Inputs typed R on pp (the same on every stage) give an activation R there; what crosses is this stage's value.
+    with stage_world(0):
+        comm = _comm()
+        with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as err:
+            out = spmd.assert_type(torch.zeros(SHAPE), {"dp": V, "tp": I, "pp": R})
+            comm.send_forward(out, is_last_stage=False)
+    assert err.value.rule == ("What a pipeline stage sends is what the next stage receives: stage 0 sends R on 'pp' "
+                              "to stage 1, which receives V there.")
+    assert err.value.fixes == ("spmd.reinterpret(output, 'pp', src=spmd.R, dst=spmd.V)",)
+
+
 # ---------------------------------------------------------------------------
 # planted bugs: each caught on one stage's program, with the fix
 

@@ -236,7 +236,7 @@ class _StageChecks:
             raise ValueError(f"spmd_megatron: the pipeline group (ranks {self._pp_ranks}) is not an axis of the "
                              f"current mesh (axes: {', '.join(mesh.axis_names)}); use "
                              "spmd.set_current_mesh(spmd_megatron.mesh())")
-        pp = names[0]
+        pp = self._pp_name = names[0]
         out = {pp: V}
         for axis, t in self.pipeline_types.boundary(boundary, self.n_stages).items():
             named = resolve_axes(axis)
@@ -294,7 +294,8 @@ class _StageChecks:
         for axis in order:
             w = want.get(axis)
             if w is not None and not compatible(have.get(axis), w, ndim):
-                raise _sent_mismatch(k, to, forward, format_tensor_type(t, have), want, axis, have.get(axis), order)
+                raise _sent_mismatch(k, to, forward, format_tensor_type(t, have), want, axis, have.get(axis), order,
+                                     pipeline_axis=axis == self._pp_name)
 
     # -- receives: the type known before the communication, given after ------------------
 
@@ -414,7 +415,7 @@ class _StageChecks:
 
 
 def _sent_mismatch(k: int, to: int, forward: bool, shown: str, want: TypeMap, axis: str,
-                   have: SpmdType | None, order: Sequence[str]) -> SpmdTypeError:
+                   have: SpmdType | None, order: Sequence[str], pipeline_axis: bool = False) -> SpmdTypeError:
     w = want.get(axis)
     x = "output" if forward else "grad"
     if forward:
@@ -427,10 +428,12 @@ def _sent_mismatch(k: int, to: int, forward: bool, shown: str, want: TypeMap, ax
                 f"{axis!r}, not {have}.")
         declared = ("declared", f"stage {to} expects the gradient {want.format(order)}")
     fixes = []
-    if have is not None:
+    if pipeline_axis:  # the value on this stage is what crosses: an R value's gradient comes back as its P share
+        fixes = [f"spmd.reinterpret({x}, '{axis}', src=spmd.R, dst=spmd.V)"] if have is R else []
+    elif have is not None:
         sequence = forward and have.is_varying and w in (I, R) and axis == _tp_axis()
         fixes.append(conversion(x, axis, S(0) if sequence else have, w))  # Megatron's shard between stages: dim 0
-        if forward:
+        if forward:  # the declaration names every axis but the pipeline axis
             fixes.append(f"declare what crosses: spmd_megatron.PipelineTypes({{..., '{axis}': "
                          f"{(S(0) if sequence else have).code()}}}), if stage {to} takes that")
     return SpmdTypeError(
