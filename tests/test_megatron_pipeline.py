@@ -182,8 +182,11 @@ def test_every_p2p_method_checks_its_sends_and_types_its_receives(cpu, stage):
                        comm.send_forward_recv_backward(typed, [SHAPE], is_last_stage=False)[0]]
                 assert [spmd.get_type(g) for g in got] == [grad] * 3
                 assert comm.send_forward_recv_forward(typed[0], False, SHAPE) is None
-                assert comm.send_backward_recv_backward(None, True, SHAPE).shape == SHAPE
+                assert spmd.get_type(comm.send_backward_recv_backward(None, True, SHAPE)) == grad
                 assert comm.send_backward_recv_forward(None, SHAPE, is_first_stage=True) is None
+                comm.config.batch_p2p_comm = False  # overlapping needs Megatron's unbatched sends
+                g, handles = comm.send_backward_recv_backward(None, True, SHAPE, overlap_p2p_comm=True)
+                assert spmd.get_type(g) == grad and "recv_next" in handles
             else:
                 got = [comm.recv_forward(SHAPE, is_first_stage=False),
                        comm.recv_forward([SHAPE], is_first_stage=False)[0],
@@ -197,6 +200,9 @@ def test_every_p2p_method_checks_its_sends_and_types_its_receives(cpu, stage):
                 back = spmd.assert_type(torch.zeros(SHAPE), {"dp": V, "tp": P})
                 f, b = comm.send_forward_backward_recv_forward_backward(None, back, True, False, SHAPE)
                 assert (spmd.get_type(f), b) == (act, None)
+                comm.config.batch_p2p_comm = False  # overlapping needs Megatron's unbatched sends
+                x, handles = comm.send_forward_recv_forward(None, True, SHAPE, overlap_p2p_comm=True)
+                assert spmd.get_type(x) == act and "recv_prev" in handles
         # outside typecheck it is Megatron's communicator: plain tensors in, plain tensors out
         out = comm.recv_forward(SHAPE, is_first_stage=stage == 0)
         assert out is None if stage == 0 else spmd.get_type(out) is None
@@ -339,6 +345,20 @@ def test_a_gradient_of_the_wrong_type_is_refused(cpu):
     assert err.value.fixes == ("spmd.all_reduce(grad, 'tp', src=spmd.P, dst=spmd.I)",)
     assert _at(err.value) == (HERE, "comm.send_backward(grad, is_first_stage=False)")
     assert x is not None
+
+
+def test_no_activation_sent_is_refused(cpu):
+    # send_forward(None) from a stage that is not the last: Megatron sends nothing, and the next stage waits.
+    with stage_world(0):
+        comm = _comm()
+        with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck(), pytest.raises(spmd.SpmdTypeError) as err:
+            comm.send_forward([None], is_last_stage=False)
+    assert err.value.rule == ("A pipeline stage sends the next stage an activation for every micro-batch: stage 0 "
+                              "sends None to stage 1, so Megatron sends nothing and stage 1 waits for it.")
+    assert err.value.seen == (("sent", "stage 0: None"),)
+    assert err.value.fixes == ("comm.send_forward(output_tensor, is_last_stage=False) with this micro-batch's output",
+                               "is_last_stage=True on the last stage only")
+    assert _at(err.value) == (HERE, "comm.send_forward([None], is_last_stage=False)")
 
 
 def test_an_activation_sent_as_R_on_pp_is_refused(cpu):

@@ -255,7 +255,7 @@ class _StageChecks:
 
     def _send(self, tensors: Any, forward: bool, skip: bool) -> Any:
         """Check what this stage sends (forward: to the next stage; backward: to the previous) and unwrap it."""
-        if skip or (tensors is None and forward) or not STATE.checking:
+        if skip or not STATE.checking:
             return tensors
         k = self.stage
         if forward and k == self.n_stages - 1:
@@ -267,6 +267,8 @@ class _StageChecks:
         want = self._types(k) if forward else self._types(k - 1).backward()
         out = []
         for t in _each(tensors):
+            if forward and t is None:
+                raise _missing_activation(k)
             if not forward:
                 received = self._awaiting.popleft() if self._awaiting else None
                 if t is None:
@@ -316,6 +318,8 @@ class _StageChecks:
         if types is None or tensors is None:
             return tensors
         for t in _each(tensors):
+            if t is None:
+                continue
             type_in_place(t, types)
             if forward and torch.is_grad_enabled() and t.requires_grad:
                 self._awaiting.append(_Received(self._received, format_tensor_type(t, types),
@@ -358,7 +362,8 @@ class _StageChecks:
     def send_forward_recv_forward(self, output_tensor: Any, recv_prev: bool, tensor_shape: Any,
                                   overlap_p2p_comm: bool = False) -> Any:
         """Megatron's ``send_forward_recv_forward``: the activation checked, the next one received typed."""
-        sent, types = self._send(output_tensor, True, False), self._expect(True, not recv_prev)
+        # here, as in Megatron's interleaved schedule, None is nothing to send
+        sent, types = self._send(output_tensor, True, output_tensor is None), self._expect(True, not recv_prev)
         got = super().send_forward_recv_forward(sent, recv_prev, tensor_shape, overlap_p2p_comm)  # type: ignore[misc]
         if overlap_p2p_comm:
             return self._typed(got[0], types, True), got[1]
@@ -377,7 +382,7 @@ class _StageChecks:
     def send_forward_backward_recv_forward_backward(self, output_tensor: Any, input_tensor_grad: Any,
                                                     recv_prev: bool, recv_next: bool, tensor_shape: Any) -> Any:
         """Megatron's ``send_forward_backward_recv_forward_backward``: both sends checked, both receives typed."""
-        sent_f = self._send(output_tensor, True, False)
+        sent_f = self._send(output_tensor, True, output_tensor is None)
         sent_b = self._send(input_tensor_grad, False, self.stage == 0 and input_tensor_grad is None)
         types_f, types_b = self._expect(True, not recv_prev), self._expect(False, not recv_next)
         got_f, got_b = super().send_forward_backward_recv_forward_backward(  # type: ignore[misc]
@@ -450,6 +455,19 @@ def _tp_axis() -> str | None:
     except (AssertionError, ValueError, RuntimeError):
         return None
     return names[0] if len(names) == 1 else None
+
+
+def _missing_activation(k: int) -> SpmdTypeError:
+    return SpmdTypeError(
+        Rejection(
+            f"A pipeline stage sends the next stage an activation for every micro-batch: stage {k} sends None to "
+            f"stage {k + 1}, so Megatron sends nothing and stage {k + 1} waits for it.",
+            [("sent", f"stage {k}: None")],
+            ["comm.send_forward(output_tensor, is_last_stage=False) with this micro-batch's output",
+             "is_last_stage=True on the last stage only"],
+        ),
+        _errors.user_source_line(),
+    )
 
 
 def _missing_gradient(k: int, received: _Received | None, sent_none: bool, waiting: int = 1) -> SpmdTypeError:
