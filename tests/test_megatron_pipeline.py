@@ -243,6 +243,10 @@ def test_pipeline_types_declaration_errors():
         with pytest.raises(kind) as err:
             call()
         assert str(err.value) == message
+    assert repr(spmd_megatron.PipelineTypes({"dp": V, "tp": S(0)})) == "PipelineTypes({dp: V, tp: S(0)})"
+    two = spmd_megatron.PipelineTypes(stages=[spmd_megatron.StageTypes(sends={"tp": I}),
+                                              spmd_megatron.StageTypes(receives={"tp": I})])
+    assert (two.boundary(0, 2), two.key(2)) == ({"tp": I}, ("{tp: I}",))
 
 
 def test_p2p_communicator_argument_errors(cpu):
