@@ -1,6 +1,6 @@
 """MkDocs hooks: the build fails when a public name has no docstring; the API page reads as prose.
 
-The public names are ``spmd_types.__all__`` and ``spmd_types.testing.__all__``;
+The public names are ``__all__`` of ``spmd_types``, ``spmd_types.testing`` and ``spmd_types.megatron``;
 the API page (docs/api.md) renders their docstrings with mkdocstrings, which
 leaves Sphinx's roles (``:func:`x```) and literal-block colons (``Example::``)
 as written: :func:`on_page_content` drops them there.
@@ -12,7 +12,7 @@ import importlib
 import inspect
 import re
 
-PUBLIC_MODULES = ("spmd_types", "spmd_types.testing")
+PUBLIC_MODULES = ("spmd_types", "spmd_types.testing", "spmd_types.megatron")
 
 
 def undocumented() -> list[str]:

@@ -12,6 +12,12 @@ made once after ``parallel_state.initialize_model_parallel``::
         spmd_megatron.type_parameters(model)  # every parameter typed from Megatron's own attributes
         loss = model(tokens, position_ids, attention_mask, labels=labels)
 
+Pipeline stages: ``PipelineTypes`` declares the types that cross between
+stages, ``p2p_communicator(config, types)`` is Megatron's ``P2PCommunicator``
+for this stage with its sends checked and its receives typed (pass it to
+Megatron's schedule), and ``type_parameters`` types every stage's parameters on
+``pp``.
+
 ``megatron.core`` is imported only when one of these is called; importing this
 module does not import it. See docs/megatron_core.md.
 """
@@ -27,6 +33,8 @@ from .integrations.megatron.adapter import (
     type_parameters,
 )
 from .integrations.megatron.moe import expert_parameter_types, layer_mesh
+from .integrations.megatron.pipeline import PipelineTypes, StageTypes, p2p_communicator, parameter_type_on_pp
 
 __all__ = ["register", "mesh", "type_parameters", "parameter_types", "expert_parameter_types", "layer_mesh",
-           "axis_of_group", "axes_of_group", "track_grad_sync", "FUNCTIONS"]
+           "axis_of_group", "axes_of_group", "track_grad_sync", "FUNCTIONS", "PipelineTypes", "StageTypes",
+           "p2p_communicator", "parameter_type_on_pp"]

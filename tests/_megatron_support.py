@@ -106,7 +106,7 @@ def build_gpt(tp: int, sp: bool = False, seed: int = 1234, model_kwargs: dict | 
     """GPTModel with the local layer spec (and a sequence-parallel LayerNorm when ``sp``)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     torch.manual_seed(seed)
     config = gpt_config(tp, sp, **overrides)
@@ -115,7 +115,7 @@ def build_gpt(tp: int, sp: bool = False, seed: int = 1234, model_kwargs: dict | 
         norm = sp_layer_norm_class()
         spec.submodules.input_layernorm = norm
         spec.submodules.pre_mlp_layernorm = norm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=norm)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,

@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 def fake_world(size: int) -> None:
     """Make the default process group a fake one of ``size`` ranks (rank 0)."""
     if dist.is_initialized():
-        if dist.get_world_size() == size and dist.get_backend() == "fake":
+        if dist.get_world_size() == size and dist.get_backend() == "fake" and dist.get_rank() == 0:
             return
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())

@@ -400,10 +400,11 @@ def test_every_adapter_message(cpu):
         spmd_megatron.type_parameters(torch.nn.Linear(2, 2))
     assert str(err.value) == ("spmd_megatron.type_parameters: no mesh is current: wrap it in "
                               "spmd.set_current_mesh(spmd_megatron.mesh())")
-    with pytest.raises(NotImplementedError) as err:
-        spmd_megatron.parameter_types(torch.nn.Parameter(torch.ones(2)), ("dp", "pp"))
-    assert str(err.value) == ("spmd_megatron.type_parameters: parameters on the 'pp' axis (pipeline / expert "
-                              "parallel) are not typed yet: type them with spmd.assert_type yourself")
+    with pytest.raises(ValueError) as err:
+        spmd_megatron.parameter_types(torch.nn.Parameter(torch.ones(2)), ("dp", "ep"))
+    assert str(err.value) == ("spmd_megatron.parameter_types: 'ep' is not an axis of the dense mesh (dp, cp, tp, pp): "
+                              "an expert axis (edp, ep, etp) is spmd_megatron.expert_parameter_types's; type any other "
+                              "with spmd.assert_type")
     expert = torch.nn.Parameter(torch.ones(2))
     expert.allreduce = False
     with pytest.raises(ValueError) as err:

@@ -109,3 +109,53 @@ def test_refuses_to_replace_a_real_process_group(tmp_path):
         )
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------
+# rank=: another rank's program (a pipeline stage's first rank, say)
+
+
+def test_rank_runs_that_ranks_program():
+    _no_group()
+    with simulate((2, 2), ("pp", "tp"), rank=2, device="cpu") as mesh:
+        assert dist.get_rank() == 2 and dist.get_world_size() == 4
+        assert tuple(mesh.get_coordinate()) == (1, 0)  # pipeline stage 1, tp rank 0
+        assert dist.get_process_group_ranks(mesh.get_group("pp")) == [0, 2]
+        assert dist.get_process_group_ranks(mesh.get_group("tp")) == [2, 3]
+        with spmd.typecheck():
+            stage = spmd.axis_index("pp")
+            assert spmd.get_type(stage) == {"pp": spmd.V, "tp": spmd.R}
+        assert int(stage) == 1
+    assert not dist.is_initialized()
+
+
+def test_rank_replaces_a_fake_group_of_another_rank_and_reuses_its_own():
+    _no_group()
+    dist.init_process_group("fake", rank=0, world_size=4, store=_store())
+    with simulate((4,), ("tp",), rank=3):  # the rank-0 group is not this program's: replaced
+        assert dist.get_rank() == 3
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", rank=3, world_size=4, store=_store())
+    group = dist.group.WORLD
+    with simulate((4,), ("tp",), rank=3):
+        assert dist.group.WORLD is group
+    assert dist.is_initialized() and dist.get_rank() == 3
+    _no_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rank": 4}, "simulate: rank must be one of the mesh's 4 ranks (0 to 3), got 4"),
+        ({"rank": -1}, "simulate: rank must be one of the mesh's 4 ranks (0 to 3), got -1"),
+        ({"rank": "1"}, "simulate: rank must be one of the mesh's 4 ranks (0 to 3), got '1'"),
+        ({"rank": 1, "ranks": "local", "device": "cpu"},
+         "simulate: ranks='local' runs every rank at once, so it takes no rank= (got 1)"),
+    ],
+)
+def test_rank_argument_errors(kwargs, message):
+    _no_group()
+    with pytest.raises(ValueError) as err, simulate((2, 2), ("dp", "tp"), **kwargs):
+        pass
+    assert str(err.value) == message
+    assert not dist.is_initialized()

@@ -48,12 +48,13 @@ def simulate(
     *,
     ranks: Literal["fake", "local"] = "fake",
     device: Literal["meta", "cpu"] = "meta",
+    rank: int = 0,
 ) -> Iterator[Any]:
     """Run a whole mesh's program in this one process, with no GPU; yields the ``DeviceMesh``.
 
     Sets up a fake process group of ``prod(mesh_shape)`` ranks, the named mesh
     on it, and makes it the current mesh (:func:`spmd_types.set_current_mesh`).
-    ``ranks="fake"`` runs rank 0's program only: collectives return tensors of
+    ``ranks="fake"`` runs one rank's program (rank 0, or ``rank``): collectives return tensors of
     the right shape without moving data, so with ``device="meta"`` (tensors
     with shapes and no storage) a production-sized model typechecks in
     seconds. ``ranks="local"`` also enters torch's ``LocalTensorMode``: every
@@ -63,11 +64,20 @@ def simulate(
     the wrong device. On exit the mode, the mesh and a process group this
     call created are torn down.
 
+    ``rank`` (with ``ranks="fake"``) is the rank whose program runs: this
+    process joins the fake group as that rank, so its coordinates on the mesh,
+    its groups' ranks and ``spmd.axis_index`` are that rank's. A program that
+    differs per rank, such as a pipeline stage, is checked by running it as one
+    of its ranks (a stage's first rank, say).
+
     Example::
 
         with simulate((8, 8), ("dp", "tp")) as mesh, spmd.typecheck():
             model = build_model()          # on the meta device, 8 x 8 ranks
             loss = model(batch).sum()
+
+        with simulate((2, 4), ("pp", "tp"), rank=4) as mesh:  # rank 4: pipeline stage 1's first rank
+            assert tuple(mesh.get_coordinate()) == (1, 0)
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,7 +93,11 @@ def simulate(
     if len(mesh_shape) != len(names):
         raise ValueError(f"simulate: {len(mesh_shape)} mesh sizes but {len(names)} axis names")
     world = math.prod(mesh_shape)
-    created = _fake_world(world)
+    if ranks == "local" and rank != 0:
+        raise ValueError(f"simulate: ranks='local' runs every rank at once, so it takes no rank= (got {rank!r})")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"simulate: rank must be one of the mesh's {world} ranks (0 to {world - 1}), got {rank!r}")
+    created = _fake_world(world, rank)
     try:
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
         with contextlib.ExitStack() as stack:
@@ -99,14 +113,14 @@ def simulate(
             dist.destroy_process_group()
 
 
-def _fake_world(size: int) -> bool:
-    """Make the default process group a fake one of ``size`` ranks; True if this call created it."""
+def _fake_world(size: int, rank: int = 0) -> bool:
+    """Make the default process group a fake one of ``size`` ranks, this process ``rank``; True if this call created it."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         backend = dist.get_backend()
-        if backend == "fake" and dist.get_world_size() == size:
+        if backend == "fake" and dist.get_world_size() == size and dist.get_rank() == rank:
             return False
         if backend != "fake":
             raise RuntimeError(
@@ -114,5 +128,5 @@ def _fake_world(size: int) -> bool:
                 "simulate before init_process_group or after destroy_process_group"
             )
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
     return True

@@ -270,10 +270,15 @@ def parameter_types(param: torch.nn.Parameter, axes: Iterable[str]) -> dict[str,
                 out[axis] = R
             else:
                 out[axis] = I
+        elif axis == "pp":
+            from .pipeline import parameter_type_on_pp
+
+            out[axis] = parameter_type_on_pp(param)
         else:
-            raise NotImplementedError(
-                f"spmd_megatron.type_parameters: parameters on the {axis!r} axis (pipeline / expert parallel) are "
-                "not typed yet: type them with spmd.assert_type yourself"
+            raise ValueError(
+                f"spmd_megatron.parameter_types: {axis!r} is not an axis of the dense mesh (dp, cp, tp, pp): an "
+                "expert axis (edp, ep, etp) is spmd_megatron.expert_parameter_types's; type any other with "
+                "spmd.assert_type"
             )
     if not getattr(param, "allreduce", True) and any(a in ("dp", "cp", "tp") for a in out):
         raise ValueError("spmd_megatron.parameter_types: an expert parameter (allreduce=False) lives on the expert "
