@@ -16,20 +16,19 @@ the largest differences it saw to a JSON-lines file.
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from _megatron_support import (
-    Patcher,
     accommodate_cpu,
     forward_backward,
+    gloo_worker,
     grads,
     make_batch,
     plain,
+    record_jobs,
     sp_layer_norm_class,
     typed_inputs,
 )
@@ -297,31 +296,8 @@ def run_ddp(dispatcher: str, tp: int, ep: int, etp: int) -> dict[str, Any]:
 
 def worker(rank: int, init_method: str, out_dir: str) -> None:
     """One gloo rank: every configuration; one JSON line each (or the error)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    patch = Patcher()
-    accommodate_moe_cpu(patch)
-    ps.destroy_model_parallel()  # a forked worker inherits the parent's (fake) process groups
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
-    path = Path(out_dir) / f"rank{rank}.jsonl"
-    try:
-        jobs = [(c, run_config, "") for c in CONFIGS] + [(c, run_ddp, "ddp_") for c in DDP_CONFIGS]
-        for (dispatcher, tp, ep, etp), run, prefix in jobs:
-            start = time.perf_counter()
-            try:
-                row = run(dispatcher, tp, ep, etp)
-                row["seconds"] = round(time.perf_counter() - start, 2)
-            except Exception as err:  # recorded, so the test shows which configuration failed and why
-                row = {"key": f"{prefix}{dispatcher}_tp{tp}_ep{ep}_etp{etp}", "error": f"{type(err).__name__}: {err}"}
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-    finally:
-        ps.destroy_model_parallel()
-        dist.barrier()  # every rank done before gloo is torn down
-        dist.destroy_process_group()
-        patch.undo()
+    jobs = [(f"{d}_tp{tp}_ep{ep}_etp{etp}", lambda c=(d, tp, ep, etp): run_config(*c)) for d, tp, ep, etp in CONFIGS]
+    jobs += [(f"ddp_{d}_tp{tp}_ep{ep}_etp{etp}", lambda c=(d, tp, ep, etp): run_ddp(*c))
+             for d, tp, ep, etp in DDP_CONFIGS]
+    with gloo_worker(rank, init_method, WORLD, accommodate_moe_cpu):
+        record_jobs(Path(out_dir) / f"rank{rank}.jsonl", jobs)

@@ -20,14 +20,21 @@ saw to a JSON-lines file per rank.
 
 from __future__ import annotations
 
-import json
-import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from _megatron_support import SEQ, Patcher, accommodate_cpu, build_gpt, init_parallel, make_batch, plain, typed_inputs
+from _megatron_support import (
+    SEQ,
+    accommodate_cpu,
+    build_gpt,
+    gloo_worker,
+    init_parallel,
+    make_batch,
+    plain,
+    record_jobs,
+    typed_inputs,
+)
 
 import spmd_types as spmd
 
@@ -187,34 +194,7 @@ def run_disagreeing_declarations(sp: bool) -> dict[str, Any]:
 
 def worker(rank: int, init_method: str, out_dir: str) -> None:
     """One gloo rank: every configuration, one JSON line each (or the error)."""
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state as ps
-
-    patch = Patcher()
-    accommodate_cpu(patch)
-    accommodate_schedule(patch)
-    ps.destroy_model_parallel()  # a forked worker inherits the parent's (fake) process groups
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=GLOO_WORLD)
-    path = Path(out_dir) / f"rank{rank}.jsonl"
-    try:
-        jobs = [(f"pp{PP}_tp{TP}_sp{int(sp)}", run_pipeline, sp) for sp in GLOO_CONFIGS]
-        jobs.append(("disagree", run_disagreeing_declarations, False))
-        for key, run, sp in jobs:
-            start = time.perf_counter()
-            try:
-                row = {"key": key, **run(sp)}
-                row["seconds"] = round(time.perf_counter() - start, 2)
-            except Exception as err:  # recorded, so the test shows which configuration failed and why
-                row = {"key": key, "error": f"{type(err).__name__}: {err}"}
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-    finally:
-        ps.destroy_model_parallel()
-        dist.barrier()  # every rank done before gloo is torn down
-        dist.destroy_process_group()
-        patch.undo()
+    jobs = [(f"pp{PP}_tp{TP}_sp{int(sp)}", lambda sp=sp: run_pipeline(sp)) for sp in GLOO_CONFIGS]
+    jobs.append(("disagree", lambda: run_disagreeing_declarations(False)))
+    with gloo_worker(rank, init_method, GLOO_WORLD, accommodate_cpu, accommodate_schedule):
+        record_jobs(Path(out_dir) / f"rank{rank}.jsonl", jobs)

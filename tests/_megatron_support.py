@@ -277,36 +277,85 @@ def run_ddp(tp: int, sp: bool) -> dict[str, Any]:
 
 
 def worker(rank: int, init_method: str, out_dir: str) -> None:
-    """One gloo rank: every configuration in CONFIGS; one JSON line each (or the error)."""
+    """One gloo rank: every configuration in CONFIGS and DDP_CONFIGS; one JSON line each (or the error)."""
+    jobs = [(f"tp{tp}_sp{int(sp)}", lambda tp=tp, sp=sp: run_config(tp, sp)) for tp, sp in CONFIGS]
+    jobs += [(f"ddp_tp{tp}_sp{int(sp)}", lambda tp=tp, sp=sp: run_ddp(tp, sp)) for tp, sp in DDP_CONFIGS]
+    with gloo_worker(rank, init_method, WORLD, accommodate_cpu):
+        record_jobs(Path(out_dir) / f"rank{rank}.jsonl", jobs)
+
+
+# ---------------------------------------------------------------------------
+# gloo workers: one world of forked processes, one JSON line per job and rank
+
+
+@contextlib.contextmanager
+def gloo_worker(rank: int, init_method: str, world: int, *accommodations: Callable[[Any], None]):
+    """A forked worker's gloo world: the accommodations applied, the parent's (fake) groups dropped; torn down after."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from megatron.core import parallel_state as ps
-
     patch = Patcher()
-    accommodate_cpu(patch)
+    for accommodate in accommodations:
+        accommodate(patch)
     ps.destroy_model_parallel()  # a forked worker inherits the parent's (fake) process groups
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
-    path = Path(out_dir) / f"rank{rank}.jsonl"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        jobs = [(tp, sp, run_config, "") for tp, sp in CONFIGS] + [(tp, sp, run_ddp, "ddp_") for tp, sp in DDP_CONFIGS]
-        for tp, sp, run, prefix in jobs:
-            start = time.perf_counter()
-            try:
-                row = run(tp, sp)
-                row["seconds"] = round(time.perf_counter() - start, 2)
-            except Exception as err:  # recorded, so the test shows which configuration failed and why
-                row = {"key": f"{prefix}tp{tp}_sp{int(sp)}", "error": f"{type(err).__name__}: {err}"}
-            with path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+        yield
     finally:
         ps.destroy_model_parallel()
         dist.barrier()  # every rank done before gloo is torn down
         dist.destroy_process_group()
         patch.undo()
+
+
+def record_jobs(path: Path, jobs: list[tuple[str, Callable[[], dict]]]) -> None:
+    """Run each job; append ``{"key": ..., **its row, "seconds": ...}`` (or the error) to ``path``."""
+    for key, run in jobs:
+        start = time.perf_counter()
+        try:
+            row = {"key": key, **run()}
+            row["seconds"] = round(time.perf_counter() - start, 2)
+        except Exception as err:  # recorded, so the test shows which configuration failed and why
+            row = {"key": key, "error": f"{type(err).__name__}: {err}"}
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def launch_gloo(worker: Callable[..., None], world: int, out: Path, timeout: float = 240) -> dict:
+    """``worker(rank, init_method, out_dir)`` on ``world`` forked processes; ``{(rank, key): row}``.
+
+    Fork, not spawn: a spawned worker re-imports megatron.core (about 50 s for 4 workers on 2 busy cores);
+    a forked one inherits it, drops the parent's fake process group and joins a gloo world (about 6 s).
+    """
+    import pytest
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    if not dist.is_gloo_available():
+        pytest.skip("gloo is not available")
+    ctx = mp.start_processes(worker, args=("file://" + str(out / "store"), str(out)), nprocs=world, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                pytest.fail(f"the gloo workers did not finish within {timeout:.0f} s")
+    except ProcessException as err:
+        pytest.fail(f"a gloo worker failed: {err}")
+    rows = {}
+    for rank in range(world):
+        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows[(rank, row["key"])] = row
+    return rows
 
 
 # ---------------------------------------------------------------------------

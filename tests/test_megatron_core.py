@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -21,20 +20,19 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from _megatron_support import (  # noqa: E402
     CONFIGS,
     WORLD,
     accommodate_cpu,
     fake_gpt,
     init_parallel,
+    launch_gloo,
     typed_step,
     worker,
 )
 from conftest import fake_mesh  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import cross_entropy, layers, mappings  # noqa: E402
-from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 
 import spmd_types as spmd  # noqa: E402
 from spmd_types import megatron as spmd_megatron  # noqa: E402
@@ -224,29 +222,7 @@ def test_unregistered_function_is_refused(cpu):
 
 @pytest.fixture(scope="module")
 def gloo_rows(tmp_path_factory):
-    if not dist.is_gloo_available():
-        pytest.skip("gloo is not available")
-    out = tmp_path_factory.mktemp("megatron_gloo")
-    # fork, not spawn: a spawned worker re-imports megatron.core (about 50 s for 4 workers on 2 busy cores);
-    # a forked one inherits it, drops the parent's fake process group and joins a gloo world (about 6 s).
-    ctx = mp.start_processes(worker, args=("file://" + str(out / "store"), str(out)), nprocs=WORLD, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                pytest.fail("the gloo workers did not finish within 240 s")
-    except ProcessException as err:
-        pytest.fail(f"a gloo worker failed: {err}")
-    rows = {}
-    for rank in range(WORLD):
-        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows[(rank, row["key"])] = row
-    return rows
+    return launch_gloo(worker, WORLD, tmp_path_factory.mktemp("megatron_gloo"))
 
 
 def test_gloo_ddp_loop_synced_gradients_equal_tp1_average(gloo_rows):

@@ -13,16 +13,12 @@
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
 
 pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from _megatron_moe_support import (  # noqa: E402
     CONFIGS,
     DDP_CONFIGS,
@@ -33,9 +29,8 @@ from _megatron_moe_support import (  # noqa: E402
     typed_moe_step,
     worker,
 )
-from _megatron_support import forward_backward, make_batch, typed_inputs  # noqa: E402
+from _megatron_support import forward_backward, launch_gloo, make_batch, typed_inputs  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 
 import spmd_types as spmd  # noqa: E402
 from spmd_types import megatron as spmd_megatron  # noqa: E402
@@ -172,28 +167,7 @@ def test_ddp_syncs_expert_gradients_over_edp_tracked(cpu):
 
 @pytest.fixture(scope="module")
 def gloo_rows(tmp_path_factory):
-    if not dist.is_gloo_available():
-        pytest.skip("gloo is not available")
-    out = tmp_path_factory.mktemp("megatron_moe_gloo")
-    # fork, as tests/test_megatron_core.py does: the workers inherit megatron.core already imported.
-    ctx = mp.start_processes(worker, args=("file://" + str(out / "store"), str(out)), nprocs=WORLD, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                pytest.fail("the gloo workers did not finish within 240 s")
-    except ProcessException as err:
-        pytest.fail(f"a gloo worker failed: {err}")
-    rows = {}
-    for rank in range(WORLD):
-        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows[(rank, row["key"])] = row
-    return rows
+    return launch_gloo(worker, WORLD, tmp_path_factory.mktemp("megatron_moe_gloo"))
 
 
 @pytest.mark.parametrize("dispatcher,tp,ep,etp", CONFIGS, ids=lambda v: str(v))

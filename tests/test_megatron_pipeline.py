@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,6 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from _megatron_pipeline_support import (  # noqa: E402
     GLOO_CONFIGS,
     GLOO_WORLD,
@@ -36,9 +33,8 @@ from _megatron_pipeline_support import (  # noqa: E402
     typed_schedule,
     worker,
 )
-from _megatron_support import HIDDEN, SEQ, accommodate_cpu, init_parallel, typed_inputs  # noqa: E402
+from _megatron_support import HIDDEN, SEQ, accommodate_cpu, init_parallel, launch_gloo, typed_inputs  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
-from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 
 import spmd_types as spmd  # noqa: E402
 from spmd_types import megatron as spmd_megatron  # noqa: E402
@@ -545,28 +541,7 @@ def test_bug_loop_tied_embedding_gradient_never_summed_over_pp(cpu):
 
 @pytest.fixture(scope="module")
 def gloo_rows(tmp_path_factory):
-    if not dist.is_gloo_available():
-        pytest.skip("gloo is not available")
-    out = tmp_path_factory.mktemp("megatron_pipeline_gloo")
-    # fork, as test_megatron_core.py does: a forked worker inherits megatron.core instead of importing it again
-    ctx = mp.start_processes(worker, args=("file://" + str(out / "store"), str(out)), nprocs=GLOO_WORLD, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                pytest.fail("the gloo workers did not finish within 240 s")
-    except ProcessException as err:
-        pytest.fail(f"a gloo worker failed: {err}")
-    rows = {}
-    for rank in range(GLOO_WORLD):
-        for line in (out / f"rank{rank}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows[(rank, row["key"])] = row
-    return rows
+    return launch_gloo(worker, GLOO_WORLD, tmp_path_factory.mktemp("megatron_pipeline_gloo"))
 
 
 @pytest.mark.parametrize("sp", GLOO_CONFIGS)
