@@ -28,11 +28,12 @@ from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
 from .._guards.strict import untyped_input
 from .._local.transitions import allowed, backward_of, find, route_call
-from .dtypes import backward_plan, casting
+from .dtypes import REDUCED, backward_plan, backward_reduces, casting
 from .impl import AxisComm
-from .kernels import KERNELS
+from .kernels import KERNELS, is_alias
 
-__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
+__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun", "Erased",
+           "erased", "remember_erased"]
 
 _REDUCE_OPS = ("sum", "avg")
 
@@ -74,32 +75,54 @@ _PRE_REDUCE = ("all_reduce", "reduce_scatter")
 
 
 def _make_function(op: str) -> type[torch.autograd.Function]:
-    """``op``'s autograd Function: forward is its kernel, backward is the op's dual from the table."""
+    """``op``'s autograd Function: forward is its kernel, backward is the op's dual from the table.
+
+    ``fast`` (an :class:`Erased`, from the erased path's cache) carries the dual already resolved, so the
+    backward of an erased call on an ordinary gradient runs the dual's kernel with nothing left to work out.
+    """
     kernel = KERNELS[op]
 
     class _Op(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+        def forward(ctx: Any, x: torch.Tensor, call: Call, fast: Erased | None) -> torch.Tensor:
             ctx.call = call
+            ctx.fast = fast
             # An output no gradient reaches stays without one (as in plain torch), not a tensor of zeros:
             # an optimizer treats a zero gradient differently from none (weight decay).
             ctx.set_materialize_grads(False)
+            if fast is not None and fast.alias:
+                return x  # autograd hands back a view of x, as the kernel's x.view_as(x) would be
             return _below_autograd(_with_casts(kernel, call), x, call)
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
             if g is None:
-                return None, None
+                return None, None, None
+            fast = ctx.fast
+            if (fast is not None and fast.back is not None and type(g) is _TENSOR and not g.requires_grad
+                    and (fast.back_dtype is None or g.dtype is fast.back_dtype)):
+                if fast.back_alias:
+                    return g, None, None
+                back = fast.back
+                return _below_autograd(KERNELS[back.op], g, back), None, None
             # A gradient made by a hand-written backward from saved typed tensors comes typed by the forward
             # rules, which say nothing about gradients (an R value's gradient is P): run the dual on it plain.
             g = unwrap(g)
-            return run(dual(ctx.call, g), g), None
+            return run(dual(ctx.call, g), g), None, None
 
     _Op.__name__ = _Op.__qualname__ = "".join(part.title() for part in op.split("_"))
     return _Op
 
 
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {op: _make_function(op) for op in KERNELS}
+# Function.apply is a Python wrapper that, with no functorch transform active, unwraps dead functorch
+# wrappers and calls the C++ apply: the erased path does the same two steps itself (see ``erased``).
+_APPLY = {op: super(torch.autograd.Function, f).apply for op, f in _FUNCTIONS.items()}
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+_grad_enabled = torch.is_grad_enabled
 
 
 def run(call: Call, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +132,7 @@ def run(call: Call, x: torch.Tensor) -> torch.Tensor:
         x = run(call._replace(op="reinterpret", dst=P, reduce="sum", dtypes=None), x)
         call = call._replace(src=P)
     if x.requires_grad and torch.is_grad_enabled():
-        return _FUNCTIONS[call.op].apply(x, call)
+        return _FUNCTIONS[call.op].apply(x, call, None)
     return _below_autograd(_with_casts(KERNELS[call.op], call), x, call)
 
 
@@ -138,6 +161,96 @@ def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
         return kernel(x, call)
     with _BELOW_AUTOGRAD():
         return kernel(x, call)
+
+
+# ---------------------------------------------------------------------------
+# the erased path: a plain tensor outside typecheck(), at the cost of one dict lookup
+
+
+class Erased(NamedTuple):
+    """An erased call, checked once by the full path: what the next call with the same key runs directly.
+
+    The key (:func:`erased_key`) holds everything the full path's checks read (the op's arguments, the
+    input's shape and dtype, the current mesh), so a hit runs exactly the call the full path would make.
+    """
+
+    call: Call
+    function: type[torch.autograd.Function]
+    apply: Any  # the Function's apply below its Python wrapper (what the wrapper runs when no transform is active)
+    kernel: Any
+    alias: bool  # the forward kernel is an alias of its input (reinterpret, convert R <-> I)
+    back: Call | None  # the dual, resolved (None: resolved per gradient, as the full path does)
+    back_alias: bool  # the dual's kernel is an alias of the gradient
+    back_dtype: torch.dtype | None  # backward_options={"op_dtype": d}: the resolved dual serves gradients in d
+
+
+_ERASED: dict[tuple, Erased] = {}
+_ERASED_LIMIT = 4096  # distinct keys kept; past it the cache starts again (shapes that never repeat)
+
+
+def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any,
+           backward_options: Any) -> tuple[torch.Tensor | None, tuple | None]:
+    """``(result, None)`` when a call on ``x`` with ``args`` was seen before; else ``(None, its cache key)``.
+
+    The key is None when the call is not erased: checking on, ``x`` not a plain tensor or parameter,
+    torch.compile tracing, or a dtype option other than ``backward_options={"op_dtype": d}`` (what
+    torchtitan passes on every redistribute). Then the full path runs, and ``remember_erased`` keeps its
+    call for the next time.
+    """
+    if STATE.checking or op_dtype is not None or out_dtype is not None:
+        return None, None
+    tp = type(x)
+    if tp is not _TENSOR and tp is not _PARAMETER:
+        return None, None
+    back_dtype = None
+    if backward_options is not None:
+        if type(backward_options) is not dict or len(backward_options) != 1:
+            return None, None
+        back_dtype = backward_options.get("op_dtype")
+        if type(back_dtype) is not torch.dtype:
+            return None, None
+    if _compiling():
+        return None, None
+    key = (args, x.shape, x.dtype, back_dtype, current_mesh())
+    try:
+        fast = _ERASED.get(key)
+    except TypeError:  # an unhashable argument (a list of axes, a wrong value): the full path says what is wrong
+        return None, None
+    if fast is None:
+        return None, key
+    call = fast.call
+    if x.requires_grad and _grad_enabled():
+        if _functorch_active():
+            return fast.function.apply(x, call, fast), None
+        return fast.apply(_unwrap_if_dead(x), call, fast), None  # Function.apply without its Python wrapper
+    return _below_autograd(fast.kernel if call.dtypes is None else _with_casts(fast.kernel, call), x, call), None
+
+
+def remember_erased(key: tuple | None, call: Call) -> None:
+    """Remember ``call``, which the full path made and ran for ``key``, unless a later hit could differ from it."""
+    if key is None or (call.src.is_varying and call.op in _PRE_REDUCE):
+        return  # src=V on a reduction runs two calls: left to the full path
+    back_dtype = key[3]
+    in_dtype = key[2]
+    if call.dtypes is None:
+        if in_dtype in REDUCED and backward_reduces(call.op, call.src, call.dst):
+            return  # a narrow input is refused when it needs a gradient: checked per call by the full path
+    elif back_dtype is None or call.dtypes.op is not None or call.dtypes.out is not None:
+        return
+    else:  # the plan of backward_options={"op_dtype": d}: no cast forward; keep our own copy of the options
+        call = call._replace(dtypes=call.dtypes._replace(backward={"op_dtype": back_dtype}))
+    back = dual(call)
+    if back.src.is_varying and back.op in _PRE_REDUCE:
+        back = None
+    elif back_dtype is not None and back_dtype is not in_dtype:
+        back = None  # the dual casts: resolved per gradient
+    if len(_ERASED) >= _ERASED_LIMIT:
+        _ERASED.clear()
+    try:
+        _ERASED[key] = Erased(call, _FUNCTIONS[call.op], _APPLY[call.op], KERNELS[call.op], is_alias(call), back,
+                              back is not None and is_alias(back), back_dtype)
+    except TypeError:
+        pass
 
 
 # ---------------------------------------------------------------------------
