@@ -103,8 +103,9 @@ def _make_function(op: str) -> type[torch.autograd.Function]:
                     and (fast.back_dtype is None or g.dtype is fast.back_dtype)):
                 if fast.back_alias:
                     return g, None, None
-                back = fast.back
-                return _below_autograd(KERNELS[back.op], g, back), None, None
+                if not (_compiling() or _dispatch_modes()):  # else _below_autograd's way, by the full path
+                    with _BELOW_AUTOGRAD():
+                        return fast.back_kernel(g, fast.back), None, None
             # A gradient made by a hand-written backward from saved typed tensors comes typed by the forward
             # rules, which say nothing about gradients (an R value's gradient is P): run the dual on it plain.
             g = unwrap(g)
@@ -180,6 +181,7 @@ class Erased(NamedTuple):
     kernel: Any
     alias: bool  # the forward kernel is an alias of its input (reinterpret, convert R <-> I)
     back: Call | None  # the dual, resolved (None: resolved per gradient, as the full path does)
+    back_kernel: Any
     back_alias: bool  # the dual's kernel is an alias of the gradient
     back_dtype: torch.dtype | None  # backward_options={"op_dtype": d}: the resolved dual serves gradients in d
 
@@ -248,7 +250,8 @@ def remember_erased(key: tuple | None, call: Call) -> None:
         _ERASED.clear()
     try:
         _ERASED[key] = Erased(call, _FUNCTIONS[call.op], _APPLY[call.op], KERNELS[call.op], is_alias(call), back,
-                              back is not None and is_alias(back), back_dtype)
+                              None if back is None else KERNELS[back.op], back is not None and is_alias(back),
+                              back_dtype)
     except TypeError:
         pass
 
