@@ -22,7 +22,7 @@ from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import current_mesh, resolve_axis
+from .._core.mesh import _MESHES, current_mesh, resolve_axis
 from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
@@ -171,8 +171,8 @@ def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
 class Erased(NamedTuple):
     """An erased call, checked once by the full path: what the next call with the same key runs directly.
 
-    The key (:func:`erased_key`) holds everything the full path's checks read (the op's arguments, the
-    input's shape and dtype, the current mesh), so a hit runs exactly the call the full path would make.
+    The key holds everything the full path's checks read (the op's arguments, the input's dtype, shape
+    where a check reads it, the current mesh), so a hit runs exactly the call the full path would make.
     """
 
     call: Call
@@ -186,54 +186,70 @@ class Erased(NamedTuple):
     back_dtype: torch.dtype | None  # backward_options={"op_dtype": d}: the resolved dual serves gradients in d
 
 
-_ERASED: dict[tuple, Erased] = {}
+# (args, dtype, backward op_dtype, mesh) -> the call; or _BY_SHAPE, and (args, shape, dtype, ...) -> the call
+_ERASED: dict[tuple, Any] = {}
 _ERASED_LIMIT = 4096  # distinct keys kept; past it the cache starts again (shapes that never repeat)
+_BY_SHAPE = object()
 
 
-def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any,
-           backward_options: Any) -> tuple[torch.Tensor | None, tuple | None]:
-    """``(result, None)`` when a call on ``x`` with ``args`` was seen before; else ``(None, its cache key)``.
+def _shape_free(call: Call) -> bool:
+    """Whether the full path's checks and call are the same for every input shape (no dim, no split checked)."""
+    if getattr(call.src, "dim", None) is not None or getattr(call.dst, "dim", None) is not None:
+        return False
+    return call.op in ("reinterpret", "all_reduce") or (call.op == "convert" and not call.dst.is_varying)
 
-    The key is None when the call is not erased: checking on, ``x`` not a plain tensor or parameter,
-    torch.compile tracing, or a dtype option other than ``backward_options={"op_dtype": d}`` (what
-    torchtitan passes on every redistribute). Then the full path runs, and ``remember_erased`` keeps its
-    call for the next time.
+
+def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any, backward_options: Any) -> torch.Tensor | None:
+    """The result of a call on ``x`` with ``args`` that the full path ran before (``remember_erased``), or None.
+
+    None also when the call is not erased: checking on, ``x`` not a plain tensor or parameter, torch.compile
+    tracing, or a dtype option other than ``backward_options={"op_dtype": d}`` (what torchtitan passes on
+    every redistribute). Kept to the fewest steps: it is every erased call's cost.
     """
-    if STATE.checking or op_dtype is not None or out_dtype is not None:
-        return None, None
+    if op_dtype is not None or out_dtype is not None or STATE.checking:
+        return None
     tp = type(x)
     if tp is not _TENSOR and tp is not _PARAMETER:
-        return None, None
-    back_dtype = None
-    if backward_options is not None:
-        if type(backward_options) is not dict or len(backward_options) != 1:
-            return None, None
-        back_dtype = backward_options.get("op_dtype")
-        if type(back_dtype) is not torch.dtype:
-            return None, None
-    if _compiling():
-        return None, None
-    key = (args, x.shape, x.dtype, back_dtype, current_mesh())
+        return None
+    back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
+    if back_dtype is False or _compiling():
+        return None
+    meshes = _MESHES.stack
+    mesh = meshes[-1] if meshes else None
     try:
-        fast = _ERASED.get(key)
+        fast = _ERASED.get((args, x.dtype, back_dtype, mesh))
     except TypeError:  # an unhashable argument (a list of axes, a wrong value): the full path says what is wrong
-        return None, None
+        return None
+    if fast is _BY_SHAPE:
+        fast = _ERASED.get((args, x.shape, x.dtype, back_dtype, mesh))
     if fast is None:
-        return None, key
+        return None
     call = fast.call
     if x.requires_grad and _grad_enabled():
         if _functorch_active():
-            return fast.function.apply(x, call, fast), None
-        return fast.apply(_unwrap_if_dead(x), call, fast), None  # Function.apply without its Python wrapper
-    return _below_autograd(fast.kernel if call.dtypes is None else _with_casts(fast.kernel, call), x, call), None
+            return fast.function.apply(x, call, fast)
+        return fast.apply(_unwrap_if_dead(x), call, fast)  # Function.apply without its Python wrapper
+    return _below_autograd(fast.kernel if call.dtypes is None else _with_casts(fast.kernel, call), x, call)
 
 
-def remember_erased(key: tuple | None, call: Call) -> None:
-    """Remember ``call``, which the full path made and ran for ``key``, unless a later hit could differ from it."""
-    if key is None or (call.src.is_varying and call.op in _PRE_REDUCE):
+def _backward_op_dtype(backward_options: Any) -> torch.dtype | bool:
+    """d for ``backward_options={"op_dtype": d}``, the one form the erased path takes; False for any other."""
+    if type(backward_options) is not dict or len(backward_options) != 1:
+        return False
+    d = backward_options.get("op_dtype")
+    return d if type(d) is torch.dtype else False
+
+
+def remember_erased(x: Any, args: tuple | None, op_dtype: Any, out_dtype: Any, backward_options: Any,
+                    call: Call) -> None:
+    """Remember ``call``, which the full path built and ran on ``x``, unless a later hit could differ from it."""
+    if (args is None or op_dtype is not None or out_dtype is not None or STATE.checking or _compiling()
+            or (type(x) is not _TENSOR and type(x) is not _PARAMETER)):
+        return
+    back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
+    if back_dtype is False or (call.src.is_varying and call.op in _PRE_REDUCE):
         return  # src=V on a reduction runs two calls: left to the full path
-    back_dtype = key[3]
-    in_dtype = key[2]
+    in_dtype = x.dtype
     if call.dtypes is None:
         if in_dtype in REDUCED and backward_reduces(call.op, call.src, call.dst):
             return  # a narrow input is refused when it needs a gradient: checked per call by the full path
@@ -248,11 +264,15 @@ def remember_erased(key: tuple | None, call: Call) -> None:
         back = None  # the dual casts: resolved per gradient
     if len(_ERASED) >= _ERASED_LIMIT:
         _ERASED.clear()
+    key = (args, in_dtype, back_dtype, current_mesh())
     try:
+        if not _shape_free(call):
+            _ERASED[key] = _BY_SHAPE
+            key = (args, x.shape, *key[1:])
         _ERASED[key] = Erased(call, _FUNCTIONS[call.op], _APPLY[call.op], KERNELS[call.op], is_alias(call), back,
                               None if back is None else KERNELS[back.op], back is not None and is_alias(back),
                               back_dtype)
-    except TypeError:
+    except TypeError:  # an unhashable argument
         pass
 
 

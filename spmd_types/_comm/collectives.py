@@ -112,8 +112,8 @@ def all_reduce(
         row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
         grad = spmd.all_reduce(g, "dp", src=spmd.P, dst=spmd.I, op_dtype=torch.float32)  # sum bf16 grads in fp32
     """
-    hit, key = (None, None) if inplace or op in EXTREME_OPS else erased(
-        x, ("all_reduce", axis, src, dst, op), op_dtype, out_dtype, backward_options)
+    fast_args = None if inplace or op in EXTREME_OPS else ("all_reduce", axis, src, dst, op)
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
     if inplace:
@@ -132,7 +132,7 @@ def all_reduce(
     dtypes = for_call(begun, "all_reduce", x, op_dtype, out_dtype, backward_options)
     call = Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op, dtypes=dtypes)
     out = finish(begun, call, x)
-    remember_erased(key, call)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
 
 
@@ -327,8 +327,8 @@ def all_gather(
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R, op_dtype=torch.bfloat16,
                                  backward_options={"op_dtype": torch.float32})
     """
-    hit, key = (None, None) if sizes is not None or split_sizes is not None else erased(
-        x, ("all_gather", axis, src, dst, gather_dim), op_dtype, out_dtype, backward_options)
+    fast_args = None if sizes is not None or split_sizes is not None else ("all_gather", axis, src, dst, gather_dim)
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
     sizes = _sizes_or_split_sizes("spmd.all_gather", sizes, split_sizes)
@@ -346,7 +346,7 @@ def all_gather(
     dtypes = for_call(begun, "all_gather", x, op_dtype, out_dtype, backward_options)
     call = Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes, dtypes=dtypes)
     out = finish(begun, call, x)
-    remember_erased(key, call)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
 
 
@@ -377,8 +377,9 @@ def reduce_scatter(
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
-    hit, key = (None, None) if sizes is not None or split_sizes is not None else erased(
-        x, ("reduce_scatter", axis, src, dst, scatter_dim, op), op_dtype, out_dtype, backward_options)
+    fast_args = (None if sizes is not None or split_sizes is not None
+                 else ("reduce_scatter", axis, src, dst, scatter_dim, op))
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
     sizes = _sizes_or_split_sizes("spmd.reduce_scatter", sizes, split_sizes)
@@ -402,7 +403,7 @@ def reduce_scatter(
     dtypes = for_call(begun, "reduce_scatter", x, op_dtype, out_dtype, backward_options)
     call = Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op, dtypes=dtypes)
     out = finish(begun, call, x)
-    remember_erased(key, call)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
 
 
@@ -435,8 +436,9 @@ def all_to_all(
         routed = spmd.all_to_all(tokens, ep_group, src=spmd.V, dst=spmd.V,
                                  input_split_sizes=send_counts, output_split_sizes=recv_counts)
     """
-    hit, key = (None, None) if input_split_sizes is not None or output_split_sizes is not None else erased(
-        x, ("all_to_all", axis, src, dst, split_dim, concat_dim), op_dtype, out_dtype, backward_options)
+    fast_args = (None if input_split_sizes is not None or output_split_sizes is not None
+                 else ("all_to_all", axis, src, dst, split_dim, concat_dim))
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
     if is_dtensor(x):
@@ -454,7 +456,7 @@ def all_to_all(
     call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat, dtypes=dtypes,
                 in_splits=splits[0] if splits else None, out_splits=splits[1] if splits else None)
     out = finish(begun, call, x)
-    remember_erased(key, call)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
 
 

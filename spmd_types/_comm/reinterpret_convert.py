@@ -44,7 +44,8 @@ def reinterpret(
 
         out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
     """
-    hit, key = erased(x, ("reinterpret", axis, src, dst), op_dtype, out_dtype, backward_options)
+    fast_args = ("reinterpret", axis, src, dst)
+    hit = erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
     if is_dtensor(x):
@@ -54,7 +55,7 @@ def reinterpret(
     dtypes = for_call(begun, "reinterpret", x, op_dtype, out_dtype, backward_options)
     call = Call("reinterpret", begun.src, begun.dst, begun.comm, dtypes=dtypes)
     out = finish(begun, call, x)
-    remember_erased(key, call)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
 
 
@@ -89,8 +90,8 @@ def convert(
 
         w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
     """
-    hit, key = (None, None) if sizes is not None else erased(
-        x, ("convert", axis, src, dst), op_dtype, out_dtype, backward_options)
+    fast_args = None if sizes is not None else ("convert", axis, src, dst)
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
     if is_dtensor(x):
@@ -107,7 +108,7 @@ def convert(
     dtypes = for_call(begun, "convert", x, op_dtype, out_dtype, backward_options)
     call = Call("convert", src, dst, comm, dim=dim, sizes=sizes, dtypes=dtypes)
     out = finish(begun, call, x)
-    remember_erased(key, call)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
 
 
