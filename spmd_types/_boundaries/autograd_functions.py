@@ -42,7 +42,7 @@ from .._local.rules_table import Row, RuleKind
 from .decomposition import decomposed_apply
 
 __all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function",
-           "register_local_autograd_function", "register_decomposition"]
+           "register_local_autograd_function", "register_decomposition", "pure_rule"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _FUNCTION_BASE_APPLY = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
@@ -366,14 +366,47 @@ def _arg_types(args: tuple) -> list[Any]:
     return out
 
 
+def pure_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``rule`` a function of its arguments and the current mesh only: its accepted results are then
+    remembered per argument types (a user's rule may read anything, so it is asked every time). A call that
+    reads more (global state) sets ``STATE.uncacheable`` and is not remembered."""
+    rule.__spmd_pure_rule__ = True  # type: ignore[attr-defined]
+    return rule
+
+
+# (class, rule, argument types and values, mesh token) -> output types, for rules marked pure_rule
+_RULE_RESULTS: dict[tuple, Any] = {}
+
+
 def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
     assert reg.rule is not None
-    result = reg.rule(*_arg_types(args))
+    arg_types = _arg_types(args)
+    key = None
+    if getattr(reg.rule, "__spmd_pure_rule__", False):
+        mesh = current_mesh()
+        key = (cls, reg.rule, tuple(arg_types), None if mesh is None else mesh.token)
+        try:
+            found = _RULE_RESULTS.get(key, _NOT_FOUND)
+        except TypeError:  # an unhashable argument (a list of split sizes): asked every time
+            found = key = None
+        if found is not _NOT_FOUND and key is not None:
+            return found
+    STATE.uncacheable = False
+    result = reg.rule(*arg_types)
     if isinstance(result, Rejection):
         raise SpmdTypeError(result, user_source_line())
     if isinstance(result, (tuple, list)):
-        return tuple(_as_types(cls, r) for r in result)
-    return _as_types(cls, result)
+        out = tuple(_as_types(cls, r) for r in result)
+    else:
+        out = _as_types(cls, result)
+    if key is not None and not STATE.uncacheable:  # a pure rule that read global state this time says so
+        if len(_RULE_RESULTS) >= 4096:
+            _RULE_RESULTS.clear()
+        _RULE_RESULTS[key] = out
+    return out
+
+
+_NOT_FOUND = object()
 
 
 def _as_types(cls: type, value: Any) -> TypeMap | None:

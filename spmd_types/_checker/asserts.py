@@ -292,7 +292,8 @@ def _passing_key(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple
     with _DisableTF():
         ndim = t.dim()
     try:
-        key = (have, tuple(types.items()), ndim, current_mesh())
+        mesh = current_mesh()
+        key = (have, tuple(types.items()), ndim, None if mesh is None else mesh.token)
         hash(key)
     except TypeError:  # an axis given by an unhashable object: checked in full
         return None

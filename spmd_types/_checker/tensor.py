@@ -631,9 +631,12 @@ def _type_grad(param: torch.Tensor) -> None:
     types = getattr(param, "_spmd_types", None)
     if types is not None:
         check_typed_root(param, types)  # strict mode: no backward from an untyped loss
-    if grad is None or types is None or getattr(grad, "_spmd_types", None) is types.backward():
+    if grad is None or types is None:
+        return
+    back = types.backward()
+    if getattr(grad, "_spmd_types", None) is back:
         return
     if type(grad) not in _TYPED_CLASSES:
         grad.__class__ = _typed_class_for(grad)
-    grad._spmd_types = types.backward()
+    grad._spmd_types = back
     mark_grad(grad, param)

@@ -215,7 +215,7 @@ def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any, backward_options:
     if back_dtype is False or _compiling():
         return None
     meshes = _MESHES.stack
-    mesh = meshes[-1] if meshes else None
+    mesh = meshes[-1]._token if meshes else None
     try:
         fast = _ERASED.get((args, x.dtype, back_dtype, mesh))
     except TypeError:  # an unhashable argument (a list of axes, a wrong value): the full path says what is wrong
@@ -264,7 +264,8 @@ def remember_erased(x: Any, args: tuple | None, op_dtype: Any, out_dtype: Any, b
         back = None  # the dual casts: resolved per gradient
     if len(_ERASED) >= _ERASED_LIMIT:
         _ERASED.clear()
-    key = (args, in_dtype, back_dtype, current_mesh())
+    mesh = current_mesh()
+    key = (args, in_dtype, back_dtype, None if mesh is None else mesh.token)
     try:
         if not _shape_free(call):
             _ERASED[key] = _BY_SHAPE
@@ -280,14 +281,15 @@ def remember_erased(x: Any, args: tuple | None, op_dtype: Any, out_dtype: Any, b
 # axis lookup
 
 
-_COMMS: list[Any] = [None, {}]  # [mesh, {axis: AxisComm}] for the last mesh seen
+_COMMS: list[Any] = [None, {}]  # [mesh token, {axis: AxisComm}] for the last mesh seen (Mesh.token)
 
 
 def resolve_comm(opname: str, axis: Any) -> AxisComm:
     """The :class:`AxisComm` for ``axis``: a name, a ProcessGroup, a 1-D DeviceMesh, or a tuple of names."""
     mesh = current_mesh()
-    if _COMMS[0] is not mesh:
-        _COMMS[0], _COMMS[1] = mesh, {}
+    token = None if mesh is None else mesh.token
+    if _COMMS[0] is not token:
+        _COMMS[0], _COMMS[1] = token, {}
     cache = _COMMS[1]
     try:
         found = cache.get(axis)
