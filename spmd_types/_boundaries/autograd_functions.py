@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from .._checker.run_ops import _TYPED_CLASSES
 from .._checker.tensor import _wrap
 from .._comm.call import begin, type_result, unwrap
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
@@ -231,7 +232,7 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     else:
         out_types = _local_types(cls, args, kwargs)
     _refuse_global(cls)
-    out = _original_apply(cls, reg, _plain(args), {k: _plain(v) for k, v in kwargs.items()})
+    out = _original_apply(cls, reg, _plain(args), _plain_kw(kwargs) if kwargs else kwargs)
     return _type_outputs(cls, out, out_types)
 
 
@@ -302,24 +303,47 @@ def register_decomposition(cls: type, ref_impl: Callable[..., Any] | None = None
 
 
 def _any_typed(args: tuple, kwargs: Mapping[str, Any]) -> bool:
-    return any(_typed(a) for a in args) or any(_typed(v) for v in kwargs.values())
+    for a in args:
+        if _typed(a):
+            return True
+    for v in kwargs.values():
+        if _typed(v):
+            return True
+    return False
 
 
 def _typed(a: Any) -> bool:
+    tp = type(a)
+    if tp in _TYPED_CLASSES:
+        return True
+    if tp in _UNTYPED_LEAVES:  # the arguments a Function mostly gets: answered without a lookup
+        return False
     if isinstance(a, torch.Tensor):
         return getattr(a, "_spmd_types", None) is not None
-    if type(a) in (list, tuple):
-        return any(_typed(x) for x in a)
+    if tp is list or tp is tuple:
+        for x in a:
+            if _typed(x):
+                return True
     return False
 
 
 def _plain(a: Any) -> Any:
     """A plain alias of a typed tensor (autograd still reaches the original); lists and tuples element-wise."""
+    tp = type(a)
+    if tp in _UNTYPED_LEAVES:
+        return a
+    if tp in _TYPED_CLASSES:
+        return unwrap(a)
     if isinstance(a, torch.Tensor):
         return unwrap(a) if getattr(a, "_spmd_types", None) is not None else a
-    if type(a) in (list, tuple):
-        return type(a)(_plain(x) for x in a)
+    if tp is list or tp is tuple:
+        return tp([_plain(x) for x in a])
     return a
+
+
+# Argument classes that are never typed and hold nothing typed (plain tensors, flags, groups, sizes).
+_UNTYPED_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype,
+                             torch.device})
 
 
 def _apply_as_op(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
