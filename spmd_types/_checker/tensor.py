@@ -29,6 +29,7 @@ from .._guards.transforms import compile_error, compiling, is_transform_tensor, 
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import backward_possible, infer
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
+    _AUTOGRAD_RUNS,
     _BACKWARD,
     _PASSTHROUGH,
     _SWAP_BACK,
@@ -144,7 +145,7 @@ def _typed_call(func, args, kwargs):
         _onto_current_mesh(func, args, kwargs)
     key = [func]
     for a in args:
-        key.append(_marker(a))
+        key.append(a._spmd_types if type(a) in _TYPED_CLASSES else _marker(a))
     if kwargs:
         for k, v in kwargs.items():
             key.append(k)
@@ -171,7 +172,11 @@ def _typed_call(func, args, kwargs):
             _explain_failure(func, args, kwargs, out_types)
             raise
         return _global_result(func, args, kwargs, out, out_types)
-    out = _run(func, args, kwargs)
+    if func in _AUTOGRAD_RUNS or _dispatch_depth():
+        out = _run(func, args, kwargs)
+    else:  # _run's common case, without the call
+        with _DisableTF():
+            out = func(*args, **kwargs)
     if out_types is None:
         return out
     return _wrap(out, out_types)
@@ -652,7 +657,8 @@ def type_in_place(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
 
 
 def _type_grad(param: torch.Tensor) -> None:
-    grad = param.grad
+    with _DisableTF():  # a typed parameter's .grad through __torch_function__ costs microseconds
+        grad = param.grad
     types = getattr(param, "_spmd_types", None)
     if types is not None:
         check_typed_root(param, types)  # strict mode: no backward from an untyped loss
