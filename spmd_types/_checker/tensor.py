@@ -111,7 +111,10 @@ class LTensor(torch.Tensor):
                 raise _compile_error(args[0])
             if func is _REGISTER_HOOK:
                 return _register_typed_hook(func, args, kwargs)
-            return _run(func, args, kwargs)
+            if func in _AUTOGRAD_RUNS or _dispatch_depth():
+                return _run(func, args, kwargs)
+            with _DisableTF():  # _run's common case, without the call
+                return func(*args, **kwargs)
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(func, args, kwargs)

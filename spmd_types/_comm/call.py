@@ -555,8 +555,14 @@ def check_local_size(opname: str, x: torch.Tensor, dim: int, sizes: tuple[int, .
 def unwrap(x: torch.Tensor) -> torch.Tensor:
     """A plain alias of typed ``x`` (autograd still reaches ``x``); plain ``x`` as is."""
     if hasattr(x, "_spmd_types"):
-        return _run(torch.Tensor.view_as, (x, x), {})
+        if _dispatch_modes():
+            return _run(_VIEW_AS, (x, x), {})
+        with _DisableTF():  # _run's way with no dispatch mode
+            return x.view_as(x)
     return x
+
+
+_VIEW_AS = torch.Tensor.view_as
 
 
 def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:
