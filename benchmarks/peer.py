@@ -1,6 +1,6 @@
 """This package and its peer, meta-pytorch's ``spmd-types`` 0.2.3, side by side on one torchtitan step.
 
-Run: python benchmarks/peer.py [--rounds N] [--steps K] [--case NAME] [--peer-dir DIR]
+Run: python benchmarks/peer.py [--rounds N] [--steps K] [--case NAME] [--peer-dir DIR] [--ours DIR]
 
 The peer is torchtitan 0.3.0's own ``spmd_types`` (the package called
 ``spmd-types`` on the package index). It is never a dependency of this project
@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--case", default=DEFAULT_CASE)
     parser.add_argument("--peer-dir", default=None)
+    parser.add_argument("--ours", default=ROOT, help="the folder holding this package's spmd_types to time (another "
+                        "checkout, e.g. before a change); default: this checkout")
     parser.add_argument("--worker", choices=("ours", "peer"))
     parser.add_argument("--expect", default=None)
     args = parser.parse_args()
@@ -165,7 +167,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.expect, args.case, args.steps)))
         return
 
-    paths = {"ours": ROOT, "peer": install_peer(peer_dir(args.peer_dir))}
+    paths = {"ours": os.path.abspath(args.ours), "peer": install_peer(peer_dir(args.peer_dir))}
     merged = {w: {"times": {"typed": [], "erased": []}, "errors": {}, "loss": {}} for w in paths}
     for r in range(args.rounds):
         for which in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
@@ -178,7 +180,7 @@ def main() -> None:
     ms: dict[tuple[str, str], float | None] = {}
     print(f"torchtitan 0.3.0 {args.case}, llama3 one layer, seq {16}, fake process group, rank 0: one trainer step "
           f"(forward + loss + backward), ms, median of {args.rounds} x {args.steps} steps per cell")
-    print(f"    peer: meta-pytorch spmd-types 0.2.3 from {paths['peer']}")
+    print(f"    ours: {paths['ours']}; peer: meta-pytorch spmd-types 0.2.3 from {paths['peer']}")
     print(f"    {'package':8} {'mode':7} {'ms/step':>9}  {'loss':>8}  note")
     for which in ("ours", "peer"):
         for mode in ("typed", "erased"):
