@@ -160,7 +160,7 @@ def run_worker(which: str, path: str, case_name: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--case", default=DEFAULT_CASE)
     parser.add_argument("--peer-dir", default=None)
     parser.add_argument("--ours", default=ROOT, help="the folder holding this package's spmd_types to time (another "
