@@ -1,17 +1,24 @@
 """Megatron-core and spmd_types, measured side by side (issue 7).
 
-Run: python benchmarks/megatron.py   (needs megatron-core; prints two tables)
+Run: python benchmarks/megatron.py [--tables abc]   (needs megatron-core; prints three tables)
 
-(a) Typecheck cost: seconds for one forward+backward of a Megatron-core
+(a) Typecheck cost: CPU seconds for one forward+backward of a Megatron-core
     GPTModel (local spec, tp=2, dp=2, sequence parallel) on a fake process
     group, typed (``spmd.typecheck()`` with the adapter's registrations) vs
-    untyped; medians of repeats.
+    untyped (a second model built alike, which typing never touched); medians
+    of repeats, the two interleaved.
 (b) Communication: each erased spmd call (plain tensors, outside
     ``typecheck()``) against the Megatron-core mapping that does the same
     work, forward+backward, on 2 and 4 gloo processes, a small (4 KB) and a
     1 MB tensor; the bare ``torch.distributed`` calls doing the same
     collectives are the floor. µs per forward+backward, median of repeats,
     the three variants interleaved inside each repeat.
+(c) The floor: the same erased calls against the Megatron mappings on a
+    fake process group (collectives move nothing), the axis named and given
+    as the process group; µs of CPU time per forward+backward. The goal is
+    1.05x Megatron's mapping for every call.
+
+``--tables ac`` prints only (a) and (c); (b) starts gloo processes and takes minutes.
 """
 
 from __future__ import annotations
@@ -50,7 +57,12 @@ def _cpu() -> None:
 # (a) typecheck cost on a fake process group
 
 
-def typecheck_cost(repeats: int = 7) -> tuple[float, float]:
+def typecheck_cost(repeats: int = 15) -> tuple[float, float]:
+    """(untyped, typed) CPU seconds of one forward+backward, medians of ``repeats``, the two interleaved.
+
+    Two models built alike: typing is in place (``type_parameters`` and ``assert_type`` give the parameters
+    and tokens their types), so the untyped run gets a model and tokens that typing never touched.
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
@@ -59,34 +71,39 @@ def typecheck_cost(repeats: int = 7) -> tuple[float, float]:
 
     from spmd_types import megatron as spmd_megatron
 
+    torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     spmd_megatron.register()
-    _, model = megatron_gpt.build(2, True, layers=4, hidden=128, heads=8)
+    models = {}
+    for name in ("untyped", "typed"):
+        torch.manual_seed(0)
+        models[name] = megatron_gpt.build(2, True, layers=4, hidden=128, heads=8)[1]
     seq, vocab = megatron_gpt.SEQ, megatron_gpt.VOCAB
     tokens = torch.randint(0, vocab, (2, seq))
     positions = torch.arange(seq).expand(2, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
 
     def untyped() -> None:
-        model(tokens, positions, mask, labels=tokens).sum().backward()
+        models["untyped"](tokens, positions, mask, labels=tokens).sum().backward()
 
     def typed() -> None:
+        model = models["typed"]
         with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck():
             spmd_megatron.type_parameters(model)
-            t = spmd.assert_type(tokens, {"dp": spmd.V, "tp": I})
-            p = spmd.assert_type(positions, {"dp": spmd.V, "tp": I})
+            t = spmd.assert_type(tokens.clone(), {"dp": spmd.V, "tp": I})
+            p = spmd.assert_type(positions.clone(), {"dp": spmd.V, "tp": I})
             model(t, p, mask, labels=t).sum().backward()
 
     times: dict[str, list[float]] = {"untyped": [], "typed": []}
     for fn in (untyped, typed):  # warm-up
         fn()
-    for _ in range(repeats):
-        for name, fn in (("untyped", untyped), ("typed", typed)):
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
+    for i in range(repeats):
+        for name, fn in (("untyped", untyped), ("typed", typed))[:: 1 if i % 2 == 0 else -1]:
+            models[name].zero_grad(set_to_none=True)
+            start = time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time.process_time() - start)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return statistics.median(times["untyped"]), statistics.median(times["typed"])
@@ -221,30 +238,73 @@ def communication(worlds=(2, 4)) -> list[tuple]:
     return rows
 
 
-def overhead_on_fake_pg(calls: int = 300, repeats: int = 7) -> list[tuple]:
-    """The same rows on a fake process group of 2 ranks: the collectives cost nothing, what is left is the
-    Python and autograd overhead of each variant (µs per forward+backward, 4 KB tensors)."""
+# ---------------------------------------------------------------------------
+# (c) erased spmd vs Megatron mappings on a fake process group: the Python and autograd floor
+
+
+def _floor_rows(group: dist.ProcessGroup) -> dict[str, tuple[tuple[int, int], dict[str, object]]]:
+    """{row: (input shape, {variant: fn(x) -> output})}: each erased spmd call beside the Megatron mapping
+    doing the same work, with the axis named ("tp") and given as the process group."""
+    from megatron.core.tensor_parallel import mappings as m
+
+    def both(fn):
+        return {"spmd 'tp'": lambda x: fn(x, "tp"), "spmd group": lambda x: fn(x, group)}
+
+    return {
+        "reduce_from | all_reduce(P->I)": ((4, 256), {
+            "megatron": lambda x: m.reduce_from_tensor_model_parallel_region(x, group),
+            **both(lambda x, a: spmd.all_reduce(x, a, src=P, dst=I))}),
+        "copy_to | reinterpret(I->R)": ((4, 256), {
+            "megatron": lambda x: m.copy_to_tensor_model_parallel_region(x, group),
+            **both(lambda x, a: spmd.reinterpret(x, a, src=I, dst=R))}),
+        "copy_to | convert(I->R)": ((4, 256), {
+            "megatron": lambda x: m.copy_to_tensor_model_parallel_region(x, group),
+            **both(lambda x, a: spmd.convert(x, a, src=I, dst=R))}),
+        "gather_from_sp | all_gather(S(0)->R)": ((4, 256), {
+            "megatron": lambda x: m.gather_from_sequence_parallel_region(x, True, group),
+            **both(lambda x, a: spmd.all_gather(x, a, src=S(0), dst=R))}),
+        "reduce_scatter_to_sp | reduce_scatter(P->S(0))": ((8, 256), {
+            "megatron": lambda x: m.reduce_scatter_to_sequence_parallel_region(x, group),
+            **both(lambda x, a: spmd.reduce_scatter(x, a, src=P, dst=S(0)))}),
+    }
+
+
+def overhead_on_fake_pg(calls: int = 200, repeats: int = 21) -> list[tuple]:
+    """Each erased spmd call against the Megatron mapping on a fake process group of 2 ranks (4 KB tensors):
+    the collectives move nothing, what is left is each variant's Python and autograd cost. µs of CPU time
+    (``time.process_time``: time this process ran, which a shared machine's other load disturbs less than
+    wall time) per forward+backward, median of ``repeats``, the variants interleaved in each repeat."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     group = dist.new_group([0, 1])
     rows = []
     with spmd.set_current_mesh({"tp": group}):
-        for row, variants in _pairs(group, 1024, 2).items():
-            shape = (8, 256) if "reduce_scatter" in row.split(" ")[0] else (4, 256)
+        for row, (shape, variants) in _floor_rows(group).items():
             x = torch.randn(shape, requires_grad=True)
             g = torch.randn_like(variants["megatron"](x).detach())
-            samples = {v: [] for v in variants}
+            samples: dict[str, list[float]] = {v: [] for v in variants}
+            for fn in variants.values():  # warm-up: an erased call's first run checks and remembers it
+                fn(x).backward(g.clone())
             for _ in range(repeats):
                 for v, fn in variants.items():
-                    start = time.perf_counter()
+                    start = time.process_time()
                     for _ in range(calls):
-                        _step(v, row, fn, x, g.clone(), group, 2)
-                    samples[v].append((time.perf_counter() - start) / calls * 1e6)
+                        fn(x).backward(g.clone())  # a copy: Megatron's copy_to all-reduces its gradient in place
+                    samples[v].append((time.process_time() - start) / calls * 1e6)
             med = {v: statistics.median(s) for v, s in samples.items()}
-            rows.append((2, "4 KB", row, med["megatron"], med["spmd"], med["bare"]))
+            rows.append((row, med["megatron"], med["spmd 'tp'"], med["spmd group"]))
     dist.destroy_process_group()
     return rows
+
+
+def _floor_table(rows: list[tuple]) -> None:
+    print(f"    {'Megatron mapping | erased spmd call':46} {'megatron':>9} {'spmd tp':>9} {'spmd pg':>9} "
+          f"{'tp/meg':>7} {'pg/meg':>7}  goal <= 1.05")
+    for row, meg, name, pg in rows:
+        met = "met" if max(name, pg) / meg <= 1.05 else "not met"
+        print(f"    {row:46} {meg:9.1f} {name:9.1f} {pg:9.1f} {name / meg:7.2f} {pg / meg:7.2f}  {met}")
 
 
 def _table(rows: list[tuple]) -> None:
@@ -255,18 +315,28 @@ def _table(rows: list[tuple]) -> None:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tables", default="abc", help="which tables to print, e.g. 'ac' (b runs gloo: minutes)")
+    tables = parser.parse_args().tables
     warnings.filterwarnings("ignore")
     _cpu()
-    untyped, typed = typecheck_cost()
-    print("(a) GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward on a fake process group")
-    print(f"    untyped {untyped * 1e3:8.1f} ms   typed {typed * 1e3:8.1f} ms   typed/untyped {typed / untyped:5.2f}")
-    print()
-    print("(b) µs per forward+backward (median of repeats); erased spmd vs the Megatron-core mapping; bare "
-          "torch.distributed floor")
-    _table(communication())
-    print()
-    print("(c) the same calls on a fake process group (collectives free): Python + autograd overhead, µs")
-    _table(overhead_on_fake_pg())
+    if "a" in tables:
+        untyped, typed = typecheck_cost()
+        print("(a) GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward on a fake process group, "
+              "CPU ms, median of 15")
+        print(f"    untyped {untyped * 1e3:8.1f} ms   typed {typed * 1e3:8.1f} ms   typed/untyped {typed / untyped:5.2f}")
+        print()
+    if "b" in tables:
+        print("(b) µs per forward+backward (median of repeats); erased spmd vs the Megatron-core mapping; bare "
+              "torch.distributed floor")
+        _table(communication())
+        print()
+    if "c" in tables:
+        print("(c) erased spmd calls vs the Megatron mapping on a fake process group (collectives free): Python + "
+              "autograd, µs CPU per forward+backward (4 KB), median of 21 x 200")
+        _floor_table(overhead_on_fake_pg())
 
 
 if __name__ == "__main__":

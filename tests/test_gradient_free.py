@@ -153,3 +153,19 @@ def test_foreach_relaxed_result_is_not_cached_for_differentiable_operands(tp2):
             assert spmd.get_type(torch._foreach_mul([c], [v])[0]) == {"tp": V}
         with pytest.raises(spmd.SpmdTypeError, match=r"Invariant \(I\) values only combine"):
             torch._foreach_mul([c], [v])
+
+
+def test_a_gradient_free_acceptance_is_remembered_with_the_gradients(tp2):
+    """The result cache keeps a gradient-free acceptance under the operands' gradients too: the same types
+    with a differentiable operand are refused again, however often the gradient-free form ran first."""
+    with spmd.set_current_mesh(tp2), spmd.typecheck():
+        for _ in range(3):
+            x = spmd.assert_type(torch.randn(4), {"tp": I})
+            y = spmd.assert_type(torch.randn(4), {"tp": V})
+            assert spmd.get_type(x * y) == {"tp": V}  # x carries no gradient: read as R
+        for _ in range(2):
+            x = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
+            with pytest.raises(spmd.SpmdTypeError, match="Invariant"):
+                x * spmd.assert_type(torch.randn(4), {"tp": V})
+        with torch.no_grad():  # no gradient anywhere: accepted again
+            assert spmd.get_type(x * spmd.assert_type(torch.randn(4), {"tp": V})) == {"tp": V}

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from .._checker.reading import present
+from .._checker.run_ops import _TYPED_CLASSES
 from .._checker.tensor import _wrap
 from .._comm.call import begin, type_result, unwrap
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
@@ -43,7 +44,7 @@ from .._local.rules_table import Row, RuleKind
 from .decomposition import decomposed_apply
 
 __all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function",
-           "register_local_autograd_function", "register_decomposition"]
+           "register_local_autograd_function", "register_decomposition", "pure_rule"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _FUNCTION_BASE_APPLY = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
@@ -236,7 +237,7 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     else:
         out_types = _local_types(cls, args, kwargs)
     _refuse_global(cls)
-    out = _original_apply(cls, reg, _plain(args), {k: _plain(v) for k, v in kwargs.items()})
+    out = _original_apply(cls, reg, _plain(args), _plain_kw(kwargs) if kwargs else kwargs)
     return _type_outputs(cls, out, out_types)
 
 
@@ -307,24 +308,47 @@ def register_decomposition(cls: type, ref_impl: Callable[..., Any] | None = None
 
 
 def _any_typed(args: tuple, kwargs: Mapping[str, Any]) -> bool:
-    return any(_typed(a) for a in args) or any(_typed(v) for v in kwargs.values())
+    for a in args:
+        if _typed(a):
+            return True
+    for v in kwargs.values():
+        if _typed(v):
+            return True
+    return False
 
 
 def _typed(a: Any) -> bool:
+    tp = type(a)
+    if tp in _TYPED_CLASSES:
+        return True
+    if tp in _UNTYPED_LEAVES:  # the arguments a Function mostly gets: answered without a lookup
+        return False
     if isinstance(a, torch.Tensor):
         return getattr(a, "_spmd_types", None) is not None
-    if type(a) in (list, tuple):
-        return any(_typed(x) for x in a)
+    if tp is list or tp is tuple:
+        for x in a:
+            if _typed(x):
+                return True
     return False
 
 
 def _plain(a: Any) -> Any:
     """A plain alias of a typed tensor (autograd still reaches the original); lists and tuples element-wise."""
+    tp = type(a)
+    if tp in _UNTYPED_LEAVES:
+        return a
+    if tp in _TYPED_CLASSES:
+        return unwrap(a)
     if isinstance(a, torch.Tensor):
         return unwrap(a) if getattr(a, "_spmd_types", None) is not None else a
-    if type(a) in (list, tuple):
-        return type(a)(_plain(x) for x in a)
+    if tp is list or tp is tuple:
+        return tp([_plain(x) for x in a])
     return a
+
+
+# Argument classes that are never typed and hold nothing typed (plain tensors, flags, groups, sizes).
+_UNTYPED_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype,
+                             torch.device})
 
 
 def _apply_as_op(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
@@ -381,18 +405,48 @@ def _takes_shapes(rule: Callable[..., Any]) -> bool:
         return False
 
 
+def pure_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``rule`` a function of its arguments and the current mesh only: its accepted results are then
+    remembered per argument types (a user's rule may read anything, so it is asked every time). A call that
+    reads more (global state) sets ``STATE.uncacheable`` and is not remembered."""
+    rule.__spmd_pure_rule__ = True  # type: ignore[attr-defined]
+    return rule
+
+
+# (class, rule, argument types and values, mesh token) -> output types, for rules marked pure_rule
+_RULE_RESULTS: dict[tuple, Any] = {}
+
+
 def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
     assert reg.rule is not None
-    if reg.rule_shapes:
-        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
-        result = reg.rule(*_arg_types(cls, args), shapes=shapes)
-    else:
-        result = reg.rule(*_arg_types(cls, args))
+    arg_types = _arg_types(cls, args)
+    shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args) if reg.rule_shapes else None
+    key = None
+    if getattr(reg.rule, "__spmd_pure_rule__", False):
+        mesh = current_mesh()
+        key = (cls, reg.rule, tuple(arg_types), shapes, None if mesh is None else mesh.token)
+        try:
+            found = _RULE_RESULTS.get(key, _NOT_FOUND)
+        except TypeError:  # an unhashable argument (a list of split sizes): asked every time
+            found = key = None
+        if found is not _NOT_FOUND and key is not None:
+            return found
+    STATE.uncacheable = False
+    result = reg.rule(*arg_types, shapes=shapes) if reg.rule_shapes else reg.rule(*arg_types)
     if isinstance(result, Rejection):
         raise SpmdTypeError(result, user_source_line())
     if isinstance(result, (tuple, list)):
-        return tuple(_as_types(cls, r) for r in result)
-    return _as_types(cls, result)
+        out = tuple(_as_types(cls, r) for r in result)
+    else:
+        out = _as_types(cls, result)
+    if key is not None and not STATE.uncacheable:  # a pure rule that read global state this time says so
+        if len(_RULE_RESULTS) >= 4096:
+            _RULE_RESULTS.clear()
+        _RULE_RESULTS[key] = out
+    return out
+
+
+_NOT_FOUND = object()
 
 
 def _as_types(cls: type, value: Any) -> TypeMap | None:

@@ -34,7 +34,7 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
     rehome_here,
 )
 from .reading import get_local_type as _typed_local_type
-from .tensor import make_typed, type_in_place
+from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "typed_boundary", "attach_boundary", "is_checking",
@@ -148,9 +148,38 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
     checked locally and R on axes checked globally (an unmentioned axis is
     replicated, as in JAX).
     """
-    given = _resolve_types(types, "assert_type")
+    return _placed_and_given(t, types, partition_spec)[:2]
+
+
+def _placed_and_given(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[TypeMap, Spec | None, dict]:
+    """:func:`_placed`, and the resolved type dict it started from (``_resolve_types``), read from ``t``'s ndim,
+    the assertion, the current mesh and the checking mode only: remembered per those (not to be mutated)."""
+    with _DisableTF():
+        ndim = t.dim()
     mesh = current_mesh()
-    ndim = t.dim()
+    key = None
+    if type(types) is dict and mesh is not None:
+        try:
+            key = (tuple(types.items()), partition_spec, ndim, mesh.token, STATE.global_mode, STATE.local_axes)
+            found = _PLACED.get(key)
+        except TypeError:  # an unhashable axis or spec: worked out every time
+            key = found = None
+        if found is not None:
+            return found
+    found = _placed_uncached(types, partition_spec, ndim)
+    if key is not None:
+        if len(_PLACED) >= 2048:
+            _PLACED.clear()
+        _PLACED[key] = found
+    return found
+
+
+_PLACED: dict[tuple, tuple[TypeMap, Spec | None, dict]] = {}
+
+
+def _placed_uncached(types: TypeSpec, partition_spec: Any, ndim: int) -> tuple[TypeMap, Spec | None, dict]:
+    resolved = given = _resolve_types(types, "assert_type")
+    mesh = current_mesh()
     spec = spec_from_shards(given, ndim, mesh.typed_axes)  # checks every S(d) is in range
     given = {a: (Shard(ty.dim % ndim) if isinstance(ty, Shard) else ty) for a, ty in given.items()}  # S(-1): S(ndim-1)
     if partition_spec is not None:
@@ -178,7 +207,7 @@ def _placed(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple[Type
         elif axis in placed and not t_axis.is_varying:
             raise ValueError(f"axis '{axis}' shards a dim in the partition spec but its type is {t_axis}, not V")
         full[axis] = t_axis
-    return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None)
+    return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None), resolved
 
 
 def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
@@ -243,14 +272,18 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
     A tensor typed on another presentation of the ranks is first presented on
     the current mesh (compared by regions of ranks, never by names).
     """
-    full, spec = _placed(t, types, partition_spec)
-    given = _resolve_types(types, "assert_type")
+    key = _passing_key(t, types, partition_spec)
+    if key is not None and key in _PASSED:
+        return t  # this very assertion passed on this very type and layout before, and changed nothing
+    full, spec, given = _placed_and_given(t, types, partition_spec)
     named = set(given) | (axes_of(spec) if spec is not None else set())
     have = rehome_here(t, "assert_type")
     shown = have
     for axis in named:
         shown = shown.replace(axis, full[axis])
-    _check(have, shown, named, t.dim())
+    with _DisableTF():
+        ndim = t.dim()
+    _check(have, shown, named, ndim)
     refined = have
     for axis in named:
         w = full[axis]
@@ -258,7 +291,8 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
             refined = refined.replace(axis, w)
     if have.pending:  # asserting P claims a contraction's pending sum (global SPMD)
         refined = refined.claimed(a for a in named if full[a] is P)
-    if refined is not have:
+    changed = refined is not have
+    if changed:
         t._spmd_types = refined  # type: ignore[attr-defined]
         if spec is not None:  # kept in local SPMD too: a global region after it reads the layout
             _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
@@ -266,7 +300,37 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
         # a plain V says nothing of the layout (S(d) refines V): only S(d) and a given partition spec place an axis
         placing = named if partition_spec is not None else {a for a in named if given.get(a) is not V}
         _check_spec(t, spec, placing)
+    if not changed and key is not None and have is key[0] and getattr(t, "_spmd_spec", None) == key[1]:
+        if len(_PASSED) >= _PASSED_LIMIT:
+            _PASSED.clear()
+        _PASSED.add(key)
     return t
+
+
+# Re-assertions that passed and changed nothing (a model's parameters asserted every step, torchtitan's module
+# boundaries): (the tensor's interned type, its partition spec, the assertion, ndim, the current mesh, the
+# checking mode). The checks read nothing else.
+_PASSED: set[tuple] = set()
+_PASSED_LIMIT = 2048
+
+
+def _passing_key(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> tuple | None:
+    """The key of a re-assertion on typed ``t``, or None (a pending sum, types not a dict, unhashable parts)."""
+    if type(types) is not dict:
+        return None
+    have = t._spmd_types  # type: ignore[attr-defined]
+    if have.pending:
+        return None
+    with _DisableTF():
+        ndim = t.dim()
+    try:
+        mesh = current_mesh()
+        key = (have, getattr(t, "_spmd_spec", None), tuple(types.items()), partition_spec, ndim,
+               None if mesh is None else mesh.token, STATE.global_mode, STATE.local_axes)
+        hash(key)
+    except TypeError:  # an axis or a spec given by an unhashable object: checked in full
+        return None
+    return key
 
 
 def _add_placements(t: torch.Tensor, spec: Spec, axes: set) -> None:

@@ -18,7 +18,7 @@ from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.spaces import rehome
 from .._core.spec import format_shape, short_dtype
-from .._core.state import STATE
+from .._core.state import BY_GRADIENT, STATE
 from .._core.types import I, P, R, TypeMap, V
 from .._global.shard_props import PendingSum
 from .._global.shard_rules import explain_failure, propagate, raise_pending
@@ -27,8 +27,9 @@ from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejec
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 from .._local.op_registry import OpEntry, entry_for
-from .._local.rules import infer
+from .._local.rules import backward_possible, infer
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
+    _AUTOGRAD_RUNS,
     _BACKWARD,
     _PASSTHROUGH,
     _SWAP_BACK,
@@ -110,7 +111,10 @@ class LTensor(torch.Tensor):
                 raise _compile_error(args[0])
             if func is _REGISTER_HOOK:
                 return _register_typed_hook(func, args, kwargs)
-            return _run(func, args, kwargs)
+            if func in _AUTOGRAD_RUNS or _dispatch_depth():
+                return _run(func, args, kwargs)
+            with _DisableTF():  # _run's common case, without the call
+                return func(*args, **kwargs)
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
@@ -144,7 +148,7 @@ def _typed_call(func, args, kwargs):
         _onto_current_mesh(func, args, kwargs)
     key = [func]
     for a in args:
-        key.append(_marker(a))
+        key.append(a._spmd_types if type(a) in _TYPED_CLASSES else _marker(a))
     if kwargs:
         for k, v in kwargs.items():
             key.append(k)
@@ -152,11 +156,16 @@ def _typed_call(func, args, kwargs):
     key = tuple(key)
     cache = _CACHES[STATE.strict]
     out_types = cache.get(key, _MISSING)
+    if out_types is _BY_GRADIENT:  # this signature's answer also depends on which operands carry a gradient
+        out_types = cache.get((key, _gradient_bits(args, kwargs)), _MISSING)
     if out_types is _MISSING:
         STATE.uncacheable = False
         out_types = _infer_or_raise(func, args, kwargs, key)
-        if not STATE.uncacheable:  # a gradient-free acceptance depends on more than types: not cached
+        if not STATE.uncacheable:
             cache[key] = out_types
+        elif STATE.uncacheable is BY_GRADIENT:  # a gradient-free acceptance: cached with the gradient bits
+            cache[key] = _BY_GRADIENT
+            cache[(key, _gradient_bits(args, kwargs))] = out_types
     if STATE.tracing:
         log_op(entry_for(func).display, list(args) + list(kwargs.values()), out_types)
     if STATE.global_mode and out_types is not None:
@@ -166,10 +175,34 @@ def _typed_call(func, args, kwargs):
             _explain_failure(func, args, kwargs, out_types)
             raise
         return _global_result(func, args, kwargs, out, out_types)
-    out = _run(func, args, kwargs)
+    if func in _AUTOGRAD_RUNS or _dispatch_depth():
+        out = _run(func, args, kwargs)
+    else:  # _run's common case, without the call
+        with _DisableTF():
+            out = func(*args, **kwargs)
     if out_types is None:
         return out
     return _wrap(out, out_types)
+
+
+def _gradient_bits(args, kwargs) -> tuple:
+    """Which tensor operands carry a gradient (the rules' ``Operand.grad``), in order, and whether any can."""
+    bits = [backward_possible()]
+
+    def visit(a: Any) -> None:
+        if isinstance(a, torch.Tensor):
+            bits.append(a.requires_grad)
+        elif type(a) is list or type(a) is tuple:
+            for x in a:
+                visit(x)
+
+    with _DisableTF():
+        for a in (*args, *kwargs.values()):
+            visit(a)
+    return tuple(bits)
+
+
+_BY_GRADIENT = object()  # in the result cache: look again with the gradient bits
 
 
 def _onto_current_mesh(func, args, kwargs) -> None:
@@ -627,13 +660,17 @@ def type_in_place(t: torch.Tensor, types: TypeMap) -> torch.Tensor:
 
 
 def _type_grad(param: torch.Tensor) -> None:
-    grad = param.grad
+    with _DisableTF():  # a typed parameter's .grad through __torch_function__ costs microseconds
+        grad = param.grad
     types = getattr(param, "_spmd_types", None)
     if types is not None:
         check_typed_root(param, types)  # strict mode: no backward from an untyped loss
-    if grad is None or types is None or getattr(grad, "_spmd_types", None) is types.backward():
+    if grad is None or types is None:
+        return
+    back = types.backward()
+    if getattr(grad, "_spmd_types", None) is back:
         return
     if type(grad) not in _TYPED_CLASSES:
         grad.__class__ = _typed_class_for(grad)
-    grad._spmd_types = types.backward()
+    grad._spmd_types = back
     mark_grad(grad, param)

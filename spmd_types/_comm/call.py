@@ -22,17 +22,18 @@ from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import current_mesh, resolve_axis
+from .._core.mesh import _MESHES, current_mesh, resolve_axis
 from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
 from .._guards.strict import untyped_input
 from .._local.transitions import allowed, backward_of, find, route_call
-from .dtypes import backward_plan, casting
+from .dtypes import REDUCED, backward_plan, backward_reduces, casting
 from .impl import AxisComm
-from .kernels import KERNELS
+from .kernels import KERNELS, is_alias
 
-__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
+__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun", "Erased",
+           "erased", "remember_erased"]
 
 _REDUCE_OPS = ("sum", "avg")
 
@@ -74,32 +75,55 @@ _PRE_REDUCE = ("all_reduce", "reduce_scatter")
 
 
 def _make_function(op: str) -> type[torch.autograd.Function]:
-    """``op``'s autograd Function: forward is its kernel, backward is the op's dual from the table."""
+    """``op``'s autograd Function: forward is its kernel, backward is the op's dual from the table.
+
+    ``fast`` (an :class:`Erased`, from the erased path's cache) carries the dual already resolved, so the
+    backward of an erased call on an ordinary gradient runs the dual's kernel with nothing left to work out.
+    """
     kernel = KERNELS[op]
 
     class _Op(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
+        def forward(ctx: Any, x: torch.Tensor, call: Call, fast: Erased | None) -> torch.Tensor:
             ctx.call = call
+            ctx.fast = fast
             # An output no gradient reaches stays without one (as in plain torch), not a tensor of zeros:
             # an optimizer treats a zero gradient differently from none (weight decay).
             ctx.set_materialize_grads(False)
+            if fast is not None and fast.alias:
+                return x  # autograd hands back a view of x, as the kernel's x.view_as(x) would be
             return _below_autograd(_with_casts(kernel, call), x, call)
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        def backward(ctx: Any, g: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
             if g is None:
-                return None, None
+                return None, None, None
+            fast = ctx.fast
+            if (fast is not None and fast.back is not None and type(g) is _TENSOR and not g.requires_grad
+                    and (fast.back_dtype is None or g.dtype is fast.back_dtype)):
+                if fast.back_alias:
+                    return g, None, None
+                if not (_compiling() or _dispatch_modes()):  # else _below_autograd's way, by the full path
+                    with _BELOW_AUTOGRAD():
+                        return fast.back_kernel(g, fast.back), None, None
             # A gradient made by a hand-written backward from saved typed tensors comes typed by the forward
             # rules, which say nothing about gradients (an R value's gradient is P): run the dual on it plain.
             g = unwrap(g)
-            return run(dual(ctx.call, g), g), None
+            return run(dual(ctx.call, g), g), None, None
 
     _Op.__name__ = _Op.__qualname__ = "".join(part.title() for part in op.split("_"))
     return _Op
 
 
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {op: _make_function(op) for op in KERNELS}
+# Function.apply is a Python wrapper that, with no functorch transform active, unwraps dead functorch
+# wrappers and calls the C++ apply: the erased path does the same two steps itself (see ``erased``).
+_APPLY = {op: super(torch.autograd.Function, f).apply for op, f in _FUNCTIONS.items()}
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+_grad_enabled = torch.is_grad_enabled
 
 
 def run(call: Call, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +133,7 @@ def run(call: Call, x: torch.Tensor) -> torch.Tensor:
         x = run(call._replace(op="reinterpret", dst=P, reduce="sum", dtypes=None), x)
         call = call._replace(src=P)
     if x.requires_grad and torch.is_grad_enabled():
-        return _FUNCTIONS[call.op].apply(x, call)
+        return _FUNCTIONS[call.op].apply(x, call, None)
     return _below_autograd(_with_casts(KERNELS[call.op], call), x, call)
 
 
@@ -141,17 +165,131 @@ def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
+# the erased path: a plain tensor outside typecheck(), at the cost of one dict lookup
+
+
+class Erased(NamedTuple):
+    """An erased call, checked once by the full path: what the next call with the same key runs directly.
+
+    The key holds everything the full path's checks read (the op's arguments, the input's dtype, shape
+    where a check reads it, the current mesh), so a hit runs exactly the call the full path would make.
+    """
+
+    call: Call
+    function: type[torch.autograd.Function]
+    apply: Any  # the Function's apply below its Python wrapper (what the wrapper runs when no transform is active)
+    kernel: Any
+    alias: bool  # the forward kernel is an alias of its input (reinterpret, convert R <-> I)
+    back: Call | None  # the dual, resolved (None: resolved per gradient, as the full path does)
+    back_kernel: Any
+    back_alias: bool  # the dual's kernel is an alias of the gradient
+    back_dtype: torch.dtype | None  # backward_options={"op_dtype": d}: the resolved dual serves gradients in d
+
+
+# (args, dtype, backward op_dtype, mesh) -> the call; or _BY_SHAPE, and (args, shape, dtype, ...) -> the call
+_ERASED: dict[tuple, Any] = {}
+_ERASED_LIMIT = 4096  # distinct keys kept; past it the cache starts again (shapes that never repeat)
+_BY_SHAPE = object()
+
+
+def _shape_free(call: Call) -> bool:
+    """Whether the full path's checks and call are the same for every input shape (no dim, no split checked)."""
+    if getattr(call.src, "dim", None) is not None or getattr(call.dst, "dim", None) is not None:
+        return False
+    return call.op in ("reinterpret", "all_reduce") or (call.op == "convert" and not call.dst.is_varying)
+
+
+def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any, backward_options: Any) -> torch.Tensor | None:
+    """The result of a call on ``x`` with ``args`` that the full path ran before (``remember_erased``), or None.
+
+    None also when the call is not erased: checking on, ``x`` not a plain tensor or parameter, torch.compile
+    tracing, or a dtype option other than ``backward_options={"op_dtype": d}`` (what torchtitan passes on
+    every redistribute). Kept to the fewest steps: it is every erased call's cost.
+    """
+    if op_dtype is not None or out_dtype is not None or STATE.checking:
+        return None
+    tp = type(x)
+    if tp is not _TENSOR and tp is not _PARAMETER:
+        return None
+    back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
+    if back_dtype is False or _compiling():
+        return None
+    meshes = _MESHES.stack
+    mesh = meshes[-1]._token if meshes else None
+    try:
+        fast = _ERASED.get((args, x.dtype, back_dtype, mesh))
+    except TypeError:  # an unhashable argument (a list of axes, a wrong value): the full path says what is wrong
+        return None
+    if fast is _BY_SHAPE:
+        fast = _ERASED.get((args, x.shape, x.dtype, back_dtype, mesh))
+    if fast is None:
+        return None
+    call = fast.call
+    if x.requires_grad and _grad_enabled():
+        if _functorch_active():
+            return fast.function.apply(x, call, fast)
+        return fast.apply(_unwrap_if_dead(x), call, fast)  # Function.apply without its Python wrapper
+    return _below_autograd(fast.kernel if call.dtypes is None else _with_casts(fast.kernel, call), x, call)
+
+
+def _backward_op_dtype(backward_options: Any) -> torch.dtype | bool:
+    """d for ``backward_options={"op_dtype": d}``, the one form the erased path takes; False for any other."""
+    if type(backward_options) is not dict or len(backward_options) != 1:
+        return False
+    d = backward_options.get("op_dtype")
+    return d if type(d) is torch.dtype else False
+
+
+def remember_erased(x: Any, args: tuple | None, op_dtype: Any, out_dtype: Any, backward_options: Any,
+                    call: Call) -> None:
+    """Remember ``call``, which the full path built and ran on ``x``, unless a later hit could differ from it."""
+    if (args is None or op_dtype is not None or out_dtype is not None or STATE.checking or _compiling()
+            or (type(x) is not _TENSOR and type(x) is not _PARAMETER)):
+        return
+    back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
+    if back_dtype is False or (call.src.is_varying and call.op in _PRE_REDUCE):
+        return  # src=V on a reduction runs two calls: left to the full path
+    in_dtype = x.dtype
+    if call.dtypes is None:
+        if in_dtype in REDUCED and backward_reduces(call.op, call.src, call.dst):
+            return  # a narrow input is refused when it needs a gradient: checked per call by the full path
+    elif back_dtype is None or call.dtypes.op is not None or call.dtypes.out is not None:
+        return
+    else:  # the plan of backward_options={"op_dtype": d}: no cast forward; keep our own copy of the options
+        call = call._replace(dtypes=call.dtypes._replace(backward={"op_dtype": back_dtype}))
+    back = dual(call)
+    if back.src.is_varying and back.op in _PRE_REDUCE:
+        back = None
+    elif back_dtype is not None and back_dtype is not in_dtype:
+        back = None  # the dual casts: resolved per gradient
+    if len(_ERASED) >= _ERASED_LIMIT:
+        _ERASED.clear()
+    mesh = current_mesh()
+    key = (args, in_dtype, back_dtype, None if mesh is None else mesh.token)
+    try:
+        if not _shape_free(call):
+            _ERASED[key] = _BY_SHAPE
+            key = (args, x.shape, *key[1:])
+        _ERASED[key] = Erased(call, _FUNCTIONS[call.op], _APPLY[call.op], KERNELS[call.op], is_alias(call), back,
+                              None if back is None else KERNELS[back.op], back is not None and is_alias(back),
+                              back_dtype)
+    except TypeError:  # an unhashable argument
+        pass
+
+
+# ---------------------------------------------------------------------------
 # axis lookup
 
 
-_COMMS: list[Any] = [None, {}]  # [mesh, {axis: AxisComm}] for the last mesh seen
+_COMMS: list[Any] = [None, {}]  # [mesh token, {axis: AxisComm}] for the last mesh seen (Mesh.token)
 
 
 def resolve_comm(opname: str, axis: Any) -> AxisComm:
     """The :class:`AxisComm` for ``axis``: a name, a ProcessGroup, a 1-D DeviceMesh, or a tuple of names."""
     mesh = current_mesh()
-    if _COMMS[0] is not mesh:
-        _COMMS[0], _COMMS[1] = mesh, {}
+    token = None if mesh is None else mesh.token
+    if _COMMS[0] is not token:
+        _COMMS[0], _COMMS[1] = token, {}
     cache = _COMMS[1]
     try:
         found = cache.get(axis)
@@ -417,8 +555,14 @@ def check_local_size(opname: str, x: torch.Tensor, dim: int, sizes: tuple[int, .
 def unwrap(x: torch.Tensor) -> torch.Tensor:
     """A plain alias of typed ``x`` (autograd still reaches ``x``); plain ``x`` as is."""
     if hasattr(x, "_spmd_types"):
-        return _run(torch.Tensor.view_as, (x, x), {})
+        if _dispatch_modes():
+            return _run(_VIEW_AS, (x, x), {})
+        with _DisableTF():  # _run's way with no dispatch mode
+            return x.view_as(x)
     return x
+
+
+_VIEW_AS = torch.Tensor.view_as
 
 
 def finish(begun: Begun, call: Call, x: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,10 @@ from .call import (
     check_input,
     check_local_size,
     check_sizes,
+    erased,
     finish,
     norm_dim,
+    remember_erased,
     resolve_comm,
     shards_in_range,
     type_result,
@@ -110,6 +112,10 @@ def all_reduce(
         row_max = spmd.all_reduce(local_max, "tp", src=spmd.V, dst=spmd.R, op="max")
         grad = spmd.all_reduce(g, "dp", src=spmd.P, dst=spmd.I, op_dtype=torch.float32)  # sum bf16 grads in fp32
     """
+    fast_args = None if inplace or op in EXTREME_OPS else ("all_reduce", axis, src, dst, op)
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
+    if hit is not None:
+        return hit
     if inplace:
         _check_inplace(x)  # before any communication
         return _into(x, all_reduce(x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype, out_dtype=out_dtype,
@@ -124,7 +130,10 @@ def all_reduce(
         raise ValueError(f"spmd.all_reduce: op must be 'sum', 'avg', 'max' or 'min', got {op!r}")
     begun = begin("all_reduce", x, axis, P if src is None else src, dst, op)
     dtypes = for_call(begun, "all_reduce", x, op_dtype, out_dtype, backward_options)
-    return finish(begun, Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op, dtypes=dtypes), x)
+    call = Call("all_reduce", begun.src, begun.dst, begun.comm, reduce=op, dtypes=dtypes)
+    out = finish(begun, call, x)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
+    return out
 
 
 def _sizes_or_split_sizes(opname: str, sizes: Any, split_sizes: Any) -> Any:
@@ -318,6 +327,10 @@ def all_gather(
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R, op_dtype=torch.bfloat16,
                                  backward_options={"op_dtype": torch.float32})
     """
+    fast_args = None if sizes is not None or split_sizes is not None else ("all_gather", axis, src, dst, gather_dim)
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
+    if hit is not None:
+        return hit
     sizes = _sizes_or_split_sizes("spmd.all_gather", sizes, split_sizes)
     if is_dtensor(x):
         return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes,
@@ -331,7 +344,10 @@ def all_gather(
     if sizes is not None:
         check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
     dtypes = for_call(begun, "all_gather", x, op_dtype, out_dtype, backward_options)
-    return finish(begun, Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes, dtypes=dtypes), x)
+    call = Call("all_gather", begun.src, begun.dst, comm, dim=dim, sizes=sizes, dtypes=dtypes)
+    out = finish(begun, call, x)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -361,6 +377,11 @@ def reduce_scatter(
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
+    fast_args = (None if sizes is not None or split_sizes is not None
+                 else ("reduce_scatter", axis, src, dst, scatter_dim, op))
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
+    if hit is not None:
+        return hit
     sizes = _sizes_or_split_sizes("spmd.reduce_scatter", sizes, split_sizes)
     if is_dtensor(x):
         return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes,
@@ -381,7 +402,9 @@ def reduce_scatter(
         _check_split(opname, x, dim, comm.size, sizes, comm.label, f"dst={begun.dst}")
     dtypes = for_call(begun, "reduce_scatter", x, op_dtype, out_dtype, backward_options)
     call = Call("reduce_scatter", begun.src, begun.dst, comm, dim=dim, sizes=sizes, reduce=op, dtypes=dtypes)
-    return finish(begun, call, x)
+    out = finish(begun, call, x)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -413,6 +436,11 @@ def all_to_all(
         routed = spmd.all_to_all(tokens, ep_group, src=spmd.V, dst=spmd.V,
                                  input_split_sizes=send_counts, output_split_sizes=recv_counts)
     """
+    fast_args = (None if input_split_sizes is not None or output_split_sizes is not None
+                 else ("all_to_all", axis, src, dst, split_dim, concat_dim))
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
+    if hit is not None:
+        return hit
     if is_dtensor(x):
         return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim,
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
@@ -427,7 +455,9 @@ def all_to_all(
     dtypes = for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options)
     call = Call("all_to_all", begun.src, begun.dst, comm, split_dim=split, concat_dim=concat, dtypes=dtypes,
                 in_splits=splits[0] if splits else None, out_splits=splits[1] if splits else None)
-    return finish(begun, call, x)
+    out = finish(begun, call, x)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
+    return out
 
 
 def _uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, split: int,

@@ -31,13 +31,13 @@ from .._checker.tensor import _DisableTF
 from .._core.types import P, R, SpmdType, V, base_type
 from .._local.transitions import TRANSITIONS, backward_of
 
-__all__ = ["DtypePlan", "plan", "for_call", "backward_plan", "backward_reduces", "casting", "KEYS"]
+__all__ = ["DtypePlan", "plan", "for_call", "backward_plan", "backward_reduces", "casting", "KEYS", "REDUCED"]
 
 KEYS = ("op_dtype", "out_dtype", "backward_options")
 _REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 # Narrower than 32 bits: what "reduced precision" means for the rule above.
-_REDUCED = frozenset(
+REDUCED = _REDUCED = frozenset(
     d for d in vars(torch).values()
     if isinstance(d, torch.dtype) and ((d.is_floating_point and d.itemsize < 4) or (d.is_complex and d.itemsize < 8))
 )

@@ -24,6 +24,12 @@ __all__ = [
 ]
 
 _c10d = torch.ops._c10d_functional
+# The overloads themselves (what the op packets resolve to on every call): one Python call less each.
+_ALL_REDUCE = _c10d.all_reduce.default
+_ALL_GATHER = _c10d.all_gather_into_tensor.default
+_REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
+_ALL_TO_ALL = _c10d.all_to_all_single.default
+_WAIT = _c10d.wait_tensor.default
 
 
 class AxisComm(NamedTuple):
@@ -53,7 +59,7 @@ class AxisComm(NamedTuple):
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
-    return _c10d.wait_tensor(t)
+    return _WAIT(t)
 
 
 # ---------------------------------------------------------------------------
@@ -125,11 +131,11 @@ def scaled(x: torch.Tensor, reduce: str, size: int) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str) -> torch.Tensor:
-    return _wait(_c10d.all_reduce(x, reduce, comm.group_name))
+    return _WAIT(_ALL_REDUCE(x, reduce, comm.group_name))
 
 
 def _gather0(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    return _wait(_c10d.all_gather_into_tensor(x.contiguous(), comm.size, comm.group_name))
+    return _WAIT(_ALL_GATHER(x.contiguous(), comm.size, comm.group_name))
 
 
 def all_gather(x: torch.Tensor, comm: AxisComm, dim: int | None, sizes: Sequence[int] | None) -> torch.Tensor:
@@ -169,7 +175,7 @@ def reduce_scatter(
     """Sum (or average) over ranks, keep this rank's part: index ``rank`` of dim 0, or its shard of ``dim``."""
     n = comm.size
     if dim is None:
-        out = _c10d.reduce_scatter_tensor(x.contiguous(), reduce, n, comm.group_name)
+        out = _REDUCE_SCATTER(x.contiguous(), reduce, n, comm.group_name)
         return _wait(out).squeeze(0)
     if sizes is not None:
         most = max(sizes)
@@ -178,9 +184,9 @@ def reduce_scatter(
         out = reduce_scatter(x, comm, dim, reduce, None)
         return _per_rank(_narrow_own)(out, group_rank(comm), dim, tuple(sizes))
     if dim == 0:
-        return _wait(_c10d.reduce_scatter_tensor(x.contiguous(), reduce, n, comm.group_name))
+        return _wait(_REDUCE_SCATTER(x.contiguous(), reduce, n, comm.group_name))
     x = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0)  # [n, ...k...]: rank blocks first
-    return _wait(_c10d.reduce_scatter_tensor(x.contiguous(), reduce, n, comm.group_name)).squeeze(0)
+    return _wait(_REDUCE_SCATTER(x.contiguous(), reduce, n, comm.group_name)).squeeze(0)
 
 
 def _narrow_own(x: torch.Tensor, index: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
@@ -197,7 +203,7 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
 
 def all_to_all_uneven(x: torch.Tensor, comm: AxisComm, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
     """Send rows ``in_splits[j]`` of dim 0 to rank j; receive ``out_splits[j]`` rows from rank j, in rank order."""
-    return _wait(_c10d.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), comm.group_name))
+    return _wait(_ALL_TO_ALL(x.contiguous(), list(out_splits), list(in_splits), comm.group_name))
 
 
 def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -206,7 +212,7 @@ def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, concat_dim: int)
     k = x.shape[split_dim] // n
     y = x.movedim(split_dim, 0).contiguous()
     splits = [k] * n
-    out = _wait(_c10d.all_to_all_single(y, splits, splits, comm.group_name))
+    out = _wait(_ALL_TO_ALL(y, splits, splits, comm.group_name))
     out = out.view(n, k, *out.shape[1:]).movedim(1, split_dim + 1)  # [n, ...piece...]
     return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1)
 

@@ -17,7 +17,7 @@ import torch
 from .._core.types import I, P, R, SpmdType, V, base_type
 from . import impl as impl
 
-__all__ = ["KERNELS", "keeps_shards"]
+__all__ = ["KERNELS", "keeps_shards", "is_alias"]
 
 
 def _reinterpret(x: torch.Tensor, call: Any) -> torch.Tensor:
@@ -71,6 +71,17 @@ def _all_to_all(x: torch.Tensor, call: Any) -> torch.Tensor:
         return x.view_as(x)
     out = impl.all_to_all(x, call.comm, call.split_dim, call.concat_dim)
     return out if call.reduce == "sum" else impl.scaled(out, call.reduce, call.comm.size)
+
+
+def is_alias(call: Any) -> bool:
+    """Whether ``call``'s kernel returns an alias of its input, the values unchanged (``x.view_as(x)``)."""
+    if call.reduce != "sum":
+        return False
+    if call.op == "reinterpret":
+        return True
+    if call.op == "convert":
+        return _CONVERT_KIND[(base_type(call.src), base_type(call.dst))] == "same"
+    return call.op == "all_to_all" and call.in_splits is None and keeps_shards(call.src, call.dst)
 
 
 KERNELS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {

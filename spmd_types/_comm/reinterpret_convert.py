@@ -14,7 +14,7 @@ import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.types import SpmdType, V, base_type
-from .call import Call, begin, check_sizes, finish, norm_dim
+from .call import Call, begin, check_sizes, erased, finish, norm_dim, remember_erased
 from .dtypes import for_call
 
 __all__ = ["reinterpret", "convert"]
@@ -44,12 +44,19 @@ def reinterpret(
 
         out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
     """
+    fast_args = ("reinterpret", axis, src, dst)
+    hit = erased(x, fast_args, op_dtype, out_dtype, backward_options)
+    if hit is not None:
+        return hit
     if is_dtensor(x):
         return interop().typed_op(reinterpret, x, axis, src=src, dst=dst, op_dtype=op_dtype, out_dtype=out_dtype,
                                   backward_options=backward_options)
     begun = begin("reinterpret", x, axis, src, dst)
     dtypes = for_call(begun, "reinterpret", x, op_dtype, out_dtype, backward_options)
-    return finish(begun, Call("reinterpret", begun.src, begun.dst, begun.comm, dtypes=dtypes), x)
+    call = Call("reinterpret", begun.src, begun.dst, begun.comm, dtypes=dtypes)
+    out = finish(begun, call, x)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -83,6 +90,10 @@ def convert(
 
         w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
     """
+    fast_args = None if sizes is not None else ("convert", axis, src, dst)
+    hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
+    if hit is not None:
+        return hit
     if is_dtensor(x):
         return interop().typed_op(convert, x, axis, src=src, dst=dst, sizes=sizes, op_dtype=op_dtype,
                                   out_dtype=out_dtype, backward_options=backward_options)
@@ -95,7 +106,10 @@ def convert(
     elif base_type(src) is V:
         dim = None if src is V else norm_dim(begun.opname, f"src={src}", src.dim, x.dim())
     dtypes = for_call(begun, "convert", x, op_dtype, out_dtype, backward_options)
-    return finish(begun, Call("convert", src, dst, comm, dim=dim, sizes=sizes, dtypes=dtypes), x)
+    call = Call("convert", src, dst, comm, dim=dim, sizes=sizes, dtypes=dtypes)
+    out = finish(begun, call, x)
+    remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
+    return out
 
 
 def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: Any, label: str) -> int | None:

@@ -39,7 +39,7 @@ class Mesh:
     """Axis names in order, with the process group (where known) and the region of ranks of each axis."""
 
     __slots__ = ("axis_names", "groups", "device_mesh", "local_axes", "_regions", "_sizes", "_global_axes",
-                 "_typed", "_space", "_by_region")
+                 "_typed", "_space", "_by_region", "_token")
 
     def __init__(
         self,
@@ -59,6 +59,7 @@ class Mesh:
         self._typed: tuple[str, ...] | None = None
         self._space: Space | None = None
         self._by_region: dict[MeshAxis, tuple[str, ...] | None] = {}
+        self._token: object | None = None
 
     @classmethod
     def from_user(cls, mesh: Any) -> Mesh:
@@ -208,8 +209,32 @@ class Mesh:
             return None
         return self.device_mesh[names]._flatten().get_group()
 
+    @property
+    def token(self) -> object:
+        """One object per distinct mesh: meshes made again from the same axes, groups, regions, DeviceMesh and
+        local axes (a mesh set every step) share it, so a cache keyed by it keeps its entries across them."""
+        if self._token is None:
+            groups = tuple(self.groups.get(n) for n in self.axis_names)
+            regions = tuple(self._regions.get(n) if g is None else None for n, g in zip(self.axis_names, groups))
+            key = (self.axis_names, groups, regions, self.device_mesh, self.local_axes)
+            try:
+                found = _TOKENS.get(key)
+            except TypeError:  # an unhashable part: this mesh is its own
+                found = key = None
+            if found is None:
+                found = object()
+                if key is not None:
+                    if len(_TOKENS) >= 1024:
+                        _TOKENS.clear()
+                    _TOKENS[key] = found
+            self._token = found
+        return self._token
+
     def __repr__(self) -> str:
         return f"Mesh({', '.join(self.axis_names)})"
+
+
+_TOKENS: dict[tuple, object] = {}
 
 
 class _MeshStack(threading.local):
@@ -246,6 +271,7 @@ def set_current_mesh(mesh: Any = None, *, local_axes: Iterable[Any] = ()) -> Ite
     else:
         m = Mesh.from_user(mesh)
     m.local_axes = _local_axes_of(m, local_axes)
+    m.token  # noqa: B018 - made now, while the mesh is complete: the erased path reads m._token
     _MESHES.stack.append(m)
     try:
         yield m

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["STATE", "is_type_checking", "TYPE_CHECKING"]
+__all__ = ["STATE", "is_type_checking", "TYPE_CHECKING", "BY_GRADIENT"]
 
 
 class _CheckState(threading.local):
@@ -19,14 +19,16 @@ class _CheckState(threading.local):
         self.local_axes: frozenset = frozenset()
         # axes an explicit-partial op (spmd.sum(..., out_partial_axes=)) is about to make P
         self.out_partial: frozenset = frozenset()
-        # set by the rules when the last inference depended on more than the operand types (a gradient-free mix
-        # of I, an operand moved onto the current mesh): its result is not cached by types
-        self.uncacheable = False
+        # set by the rules when the last inference depended on more than the operand types (an operand moved
+        # onto the current mesh: True); BY_GRADIENT when it depended on the types and on which operands carry a
+        # gradient only (a gradient-free mix of I): cached by types and those bits
+        self.uncacheable: bool | str = False
         # spmd.trace() (or SPMD_TYPES_TRACE=1): log every checked op
         self.tracing = os.environ.get("SPMD_TYPES_TRACE", "") == "1"
 
 
 STATE = _CheckState()
+BY_GRADIENT = "by gradient"  # STATE.uncacheable: the answer also read which operands carry a gradient
 
 
 def is_type_checking() -> bool:

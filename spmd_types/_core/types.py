@@ -304,7 +304,7 @@ class TypeMap:
     are the same object, so equality and hashing are by identity.
     """
 
-    __slots__ = ("items", "_dict", "space", "pending", "__weakref__")
+    __slots__ = ("items", "_dict", "space", "pending", "_backward", "_replaced", "__weakref__")
     _interned: dict[tuple, TypeMap] = {}
 
     items: tuple[tuple[str, SpmdType], ...]
@@ -317,6 +317,8 @@ class TypeMap:
         # global SPMD: axes where this P is a contraction's pending sum that no assert or declared type has
         # claimed yet (any other use is an error naming out_partial_axes)
         self.pending = pending
+        self._backward: TypeMap | None = None  # backward(), made once (a map is immutable and interned)
+        self._replaced: dict[tuple[str, SpmdType], TypeMap] = {}  # replace(axis, t), made once per pair
 
     @classmethod
     def of(cls, mapping: Mapping[str, SpmdType] | Iterable[tuple[str, SpmdType]], space: Space | None = None,
@@ -352,12 +354,18 @@ class TypeMap:
         return dict(self._dict)
 
     def replace(self, axis: str, t: SpmdType) -> TypeMap:
-        d = dict(self._dict)
-        d[axis] = t
-        return TypeMap.of(d, self.space, self.pending - {axis})
+        found = self._replaced.get((axis, t))
+        if found is None:
+            d = dict(self._dict)
+            d[axis] = t
+            found = self._replaced[(axis, t)] = TypeMap.of(d, self.space, self.pending - {axis})
+        return found
 
     def backward(self) -> TypeMap:
-        return TypeMap.of(((a, backward_type(t)) for a, t in self.items), self.space)
+        found = self._backward
+        if found is None:
+            found = self._backward = TypeMap.of(((a, backward_type(t)) for a, t in self.items), self.space)
+        return found
 
     def code(self) -> str:
         """The dict that spells this type map in user code: ``{'dp': spmd.V, 'tp': spmd.R}``."""

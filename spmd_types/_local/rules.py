@@ -18,7 +18,7 @@ import torch
 from .._core.errors import Rejection
 from .._core.mesh import current_mesh
 from .._core.spaces import move_types
-from .._core.state import STATE
+from .._core.state import BY_GRADIENT, STATE
 from .._core.types import I, P, R, SpmdType, TypeMap, V
 from .op_registry import OpEntry
 from .rules_table import RuleKind
@@ -229,8 +229,9 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
             return result
         if result is not None:
             out.append((axis, result))
-    if relaxed:
-        STATE.uncacheable = True  # accepted only because some operands carry no gradient: not cacheable by types
+    if relaxed and not STATE.uncacheable:
+        # accepted only because some operands carry no gradient: cacheable by types and those operands' gradients
+        STATE.uncacheable = BY_GRADIENT
     return TypeMap.of(out, next((op.types.space for op in typed if op.types.space is not None), None))
 
 

@@ -14,8 +14,10 @@ from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 
+from ..._boundaries import autograd_functions as _af
 from ..._core.errors import Rejection
 from ..._core.mesh import current_mesh
+from ..._core.state import STATE
 from ..._core.types import I, P, R, SpmdType, TypeMap, V
 
 
@@ -150,12 +152,13 @@ def _linear_rule(cls_name: str, sp_index: int | None, ar_index: int, group_index
 
         return _per_axis([x, w, b if isinstance(b, TypeMap) else None], tp, on_tp, other)
 
-    return rule
+    return _af.pure_rule(rule)
 
 
 def _tp_axes() -> tuple[str, ...]:
     from megatron.core import parallel_state as ps
 
+    STATE.uncacheable = True  # read from Megatron's global state, not from the rule's arguments
     return axes_of_group(ps.get_tensor_model_parallel_group())
 
 
@@ -196,9 +199,10 @@ def _cross_entropy_rule(group_index: int | None) -> Callable[..., Any]:
 
         return _per_axis([logits, args[1] if isinstance(args[1], TypeMap) else None], tp, on_tp, other)
 
-    return rule
+    return _af.pure_rule(rule)
 
 
+@_af.pure_rule
 def _gather_sp_rule(*args: Any) -> Any:
     """_GatherFromSequenceParallelRegion: S(0) -> R (tensor_parallel_output_grad=True) or I (False).
 
@@ -253,9 +257,10 @@ def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
 
         return _per_axis([args[0]], tp, on_tp, lambda axis, xt: _fill(xt, R))
 
-    return rule
+    return _af.pure_rule(rule)
 
 
+@_af.pure_rule
 def _all_to_all_rule(*args: Any, shapes: tuple = ()) -> Any:
     """_AllToAll(group, x, output_split_sizes, input_split_sizes): V -> V on the group's axis.
 
