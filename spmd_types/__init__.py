@@ -24,7 +24,6 @@ from ._checker.asserts import (
     assert_local_type_like,
     assert_type,
     assert_type_like,
-    attach_boundary,
     get_axis_local_type,
     get_local_type,
     get_partition_spec,
@@ -33,8 +32,8 @@ from ._checker.asserts import (
     is_checking,
     maybe_get_axis_local_type,
     typecheck,
-    typed_boundary,
 )
+from ._checker.boundaries import attach_boundary, typed_boundary
 from ._checker.mutate import mutate_type
 from ._checker.tensor import LTensor
 from ._checker.trace import trace

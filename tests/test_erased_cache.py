@@ -15,8 +15,8 @@ import torch.distributed as dist
 from conftest import fake_world
 
 import spmd_types as spmd
-from spmd_types._comm import call as comm_call
 from spmd_types._comm import collectives, reinterpret_convert
+from spmd_types._comm import erased as comm_call
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
 N = 2

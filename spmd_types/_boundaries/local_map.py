@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from .._checker.asserts import assert_type, declared_leaf, type_declared_outputs
+from .._checker.asserts import assert_type
+from .._checker.boundaries import declared_leaf, type_declared_outputs
 from .._checker.declarations import check_positional
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.mesh import Axis, require_mesh, resolve_axes

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
-from .._checker.asserts import assert_type, type_declared_outputs
+from .._checker.asserts import assert_type
+from .._checker.boundaries import type_declared_outputs
 from .._checker.latent import apply_remembered
 from .._core.mesh import Axis
 from .._core.state import STATE

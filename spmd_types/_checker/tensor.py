@@ -16,18 +16,16 @@ import torch
 from .._core.async_tensor import settled
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
-from .._core.spaces import rehome
 from .._core.spec import format_shape, short_dtype
 from .._core.state import BY_GRADIENT, STATE
-from .._core.types import I, P, R, TypeMap, V
-from .._global.shard_props import PendingSum
-from .._global.shard_rules import explain_failure, propagate, raise_pending
+from .._core.types import I, R, TypeMap, V
 from .._guards.function_guard import check_no_unregistered_function
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import backward_possible, infer
+from .global_ops import explain, global_types, onto_current_mesh, set_spec
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _AUTOGRAD_RUNS,
     _BACKWARD,
@@ -145,7 +143,7 @@ class LTensor(torch.Tensor):
 def _typed_call(func, args, kwargs):
     """Check ``func(*args, **kwargs)`` against the rules, run it, and type its result."""
     if STATE.global_mode:
-        _onto_current_mesh(func, args, kwargs)
+        onto_current_mesh(func, args, kwargs)
     key = [func]
     for a in args:
         key.append(a._spmd_types if type(a) in _TYPED_CLASSES else _marker(a))
@@ -172,7 +170,7 @@ def _typed_call(func, args, kwargs):
         try:
             out = _run(func, args, kwargs)
         except Exception:
-            _explain_failure(func, args, kwargs, out_types)
+            explain(func, args, kwargs, out_types)
             raise
         return _global_result(func, args, kwargs, out, out_types)
     if func in _AUTOGRAD_RUNS or _dispatch_depth():
@@ -205,28 +203,6 @@ def _gradient_bits(args, kwargs) -> tuple:
 _BY_GRADIENT = object()  # in the result cache: look again with the gradient bits
 
 
-def _onto_current_mesh(func, args, kwargs) -> None:
-    """Global SPMD reads partition specs by the current mesh's names: an operand typed on another presentation of
-    the ranks (``spmd.reinterpret_mesh``'s rule) moves onto it first, type and spec, or the op is refused."""
-    mesh = current_mesh()
-    if mesh is None:
-        return
-    space = mesh.space
-    for a in (*args, *kwargs.values()):
-        for t in (a if type(a) in (list, tuple) else (a,)):
-            types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
-            if types is None or types.space is None or types.space is space:
-                continue
-            why = rehome(t, space)
-            if why is not None:
-                raise SpmdTypeError(
-                    Rejection(f"Global SPMD: {entry_for(func).display} has an operand typed on another mesh, and it "
-                              f"cannot move onto the current one: {why}.", [("operand", types.format())],
-                              ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks first"]),
-                    user_source_line(),
-                )
-
-
 def _register_typed_hook(func, args, kwargs):
     """``t.register_hook(hook)``: the hook gets the gradient typed (t's backward type), so its ops are checked."""
     t, hook = args[0], (args[1] if len(args) > 1 else kwargs["hook"])
@@ -245,66 +221,13 @@ def _compile_error(t: torch.Tensor) -> SpmdTypeError:
         return compile_error(format_tensor_type(t, getattr(t, "_spmd_types", None)))
 
 
-def _explain_failure(func, args, kwargs, out_types: TypeMap) -> None:
-    mesh = current_mesh()
-    if mesh is not None:
-        with _DisableTF():
-            explain_failure(func, args, kwargs, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
-                            STATE.out_partial)
-
-
 def _global_result(func, args, kwargs, out, out_types: TypeMap):
     """Propagate partition specs (global SPMD) and type the result."""
-    mesh = current_mesh()
-    if mesh is None:
-        return _wrap(out, out_types)
-    global_axes, sizes = mesh.global_axes(STATE.local_axes), mesh.sizes()
-    with _DisableTF():
-        spec = propagate(func, args, kwargs, out, out_types, global_axes, sizes, STATE.out_partial)
-        if isinstance(spec, PendingSum):
-            pending = _pending_sum(spec, out, out_types)
-            if pending is None:
-                raise_pending(func, spec)
-            # The pending sum it is: P on those axes, usable once an assert or a declared type claims it.
-            out_types = TypeMap.of({**out_types.as_dict(), **{a: P for a in pending}}, out_types.space,
-                                   out_types.pending | pending)
-            spec = propagate(func, args, kwargs, out, out_types, global_axes, sizes, STATE.out_partial | pending)
-    dest = out if isinstance(out, torch.Tensor) and type(out) in _TYPED_CLASSES else None
-    if dest is not None and spec is not None and getattr(dest, "_spmd_spec", spec) != spec:
-        raise SpmdTypeError(
-            Rejection(
-                "Global SPMD: an in-place op cannot change its tensor's layout.",
-                [("op", entry_for(func).display), ("before", str(dest._spmd_spec)), ("after", str(spec))],
-                ["the out-of-place form, assigning the result"],
-            ),
-            user_source_line(),
-        )
+    out_types, spec = global_types(func, args, kwargs, out, out_types)
     wrapped = _wrap(out, out_types)
     if spec is not None:
-        _set_spec(wrapped, spec)
+        set_spec(wrapped, spec)
     return wrapped
-
-
-def _pending_sum(spec: PendingSum, out: Any, out_types: TypeMap) -> frozenset[str] | None:
-    """The axes of a contraction over a sharded dim (a tensor result, V there locally), or None.
-
-    None inside an explicit ``out_partial_axes=`` call: it names the partial axes, and these are not among them.
-    """
-    axes = frozenset(spec.axes)
-    if STATE.out_partial or not isinstance(out, torch.Tensor):
-        return None
-    if not all(getattr(out_types.get(a), "is_varying", False) for a in axes):
-        return None
-    return axes
-
-
-def _set_spec(out: Any, spec) -> None:
-    if isinstance(out, torch.Tensor):
-        out._spmd_spec = spec
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                o._spmd_spec = spec
 
 
 # torch turns a TypeError raised inside a binary operator (``a + b``) into

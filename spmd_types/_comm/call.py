@@ -22,18 +22,17 @@ from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import _MESHES, current_mesh, resolve_axis
+from .._core.mesh import current_mesh, resolve_axis
 from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
 from .._guards.strict import untyped_input
 from .._local.transitions import allowed, backward_of, find, route_call
-from .dtypes import REDUCED, backward_plan, backward_reduces, casting
+from .dtypes import backward_plan, casting
 from .impl import AxisComm
-from .kernels import KERNELS, is_alias
+from .kernels import KERNELS
 
-__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun", "Erased",
-           "erased", "remember_erased"]
+__all__ = ["Call", "dual", "run", "begin", "finish", "type_result", "resolve_comm", "norm_dim", "Begun"]
 
 _REDUCE_OPS = ("sum", "avg")
 
@@ -77,14 +76,14 @@ _PRE_REDUCE = ("all_reduce", "reduce_scatter")
 def _make_function(op: str) -> type[torch.autograd.Function]:
     """``op``'s autograd Function: forward is its kernel, backward is the op's dual from the table.
 
-    ``fast`` (an :class:`Erased`, from the erased path's cache) carries the dual already resolved, so the
+    ``fast`` (an ``Erased``, from the erased path's cache in ``erased.py``) carries the dual already resolved, so the
     backward of an erased call on an ordinary gradient runs the dual's kernel with nothing left to work out.
     """
     kernel = KERNELS[op]
 
     class _Op(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, call: Call, fast: Erased | None) -> torch.Tensor:
+        def forward(ctx: Any, x: torch.Tensor, call: Call, fast: Any) -> torch.Tensor:
             ctx.call = call
             ctx.fast = fast
             # An output no gradient reaches stays without one (as in plain torch), not a tensor of zeros:
@@ -162,119 +161,6 @@ def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:
         return kernel(x, call)
     with _BELOW_AUTOGRAD():
         return kernel(x, call)
-
-
-# ---------------------------------------------------------------------------
-# the erased path: a plain tensor outside typecheck(), at the cost of one dict lookup
-
-
-class Erased(NamedTuple):
-    """An erased call, checked once by the full path: what the next call with the same key runs directly.
-
-    The key holds everything the full path's checks read (the op's arguments, the input's dtype, shape
-    where a check reads it, the current mesh), so a hit runs exactly the call the full path would make.
-    """
-
-    call: Call
-    function: type[torch.autograd.Function]
-    apply: Any  # the Function's apply below its Python wrapper (what the wrapper runs when no transform is active)
-    kernel: Any
-    alias: bool  # the forward kernel is an alias of its input (reinterpret, convert R <-> I)
-    back: Call | None  # the dual, resolved (None: resolved per gradient, as the full path does)
-    back_kernel: Any
-    back_alias: bool  # the dual's kernel is an alias of the gradient
-    back_dtype: torch.dtype | None  # backward_options={"op_dtype": d}: the resolved dual serves gradients in d
-
-
-# (args, dtype, backward op_dtype, mesh) -> the call; or _BY_SHAPE, and (args, shape, dtype, ...) -> the call
-_ERASED: dict[tuple, Any] = {}
-_ERASED_LIMIT = 4096  # distinct keys kept; past it the cache starts again (shapes that never repeat)
-_BY_SHAPE = object()
-
-
-def _shape_free(call: Call) -> bool:
-    """Whether the full path's checks and call are the same for every input shape (no dim, no split checked)."""
-    if getattr(call.src, "dim", None) is not None or getattr(call.dst, "dim", None) is not None:
-        return False
-    return call.op in ("reinterpret", "all_reduce") or (call.op == "convert" and not call.dst.is_varying)
-
-
-def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any, backward_options: Any) -> torch.Tensor | None:
-    """The result of a call on ``x`` with ``args`` that the full path ran before (``remember_erased``), or None.
-
-    None also when the call is not erased: checking on, ``x`` not a plain tensor or parameter, torch.compile
-    tracing, or a dtype option other than ``backward_options={"op_dtype": d}`` (what torchtitan passes on
-    every redistribute). Kept to the fewest steps: it is every erased call's cost.
-    """
-    if op_dtype is not None or out_dtype is not None or STATE.checking:
-        return None
-    tp = type(x)
-    if tp is not _TENSOR and tp is not _PARAMETER:
-        return None
-    back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
-    if back_dtype is False or _compiling():
-        return None
-    meshes = _MESHES.stack
-    mesh = meshes[-1]._token if meshes else None
-    try:
-        fast = _ERASED.get((args, x.dtype, back_dtype, mesh))
-    except TypeError:  # an unhashable argument (a list of axes, a wrong value): the full path says what is wrong
-        return None
-    if fast is _BY_SHAPE:
-        fast = _ERASED.get((args, x.shape, x.dtype, back_dtype, mesh))
-    if fast is None:
-        return None
-    call = fast.call
-    if x.requires_grad and _grad_enabled():
-        if _functorch_active():
-            return fast.function.apply(x, call, fast)
-        return fast.apply(_unwrap_if_dead(x), call, fast)  # Function.apply without its Python wrapper
-    return _below_autograd(fast.kernel if call.dtypes is None else _with_casts(fast.kernel, call), x, call)
-
-
-def _backward_op_dtype(backward_options: Any) -> torch.dtype | bool:
-    """d for ``backward_options={"op_dtype": d}``, the one form the erased path takes; False for any other."""
-    if type(backward_options) is not dict or len(backward_options) != 1:
-        return False
-    d = backward_options.get("op_dtype")
-    return d if type(d) is torch.dtype else False
-
-
-def remember_erased(x: Any, args: tuple | None, op_dtype: Any, out_dtype: Any, backward_options: Any,
-                    call: Call) -> None:
-    """Remember ``call``, which the full path built and ran on ``x``, unless a later hit could differ from it."""
-    if (args is None or op_dtype is not None or out_dtype is not None or STATE.checking or _compiling()
-            or (type(x) is not _TENSOR and type(x) is not _PARAMETER)):
-        return
-    back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
-    if back_dtype is False or (call.src.is_varying and call.op in _PRE_REDUCE):
-        return  # src=V on a reduction runs two calls: left to the full path
-    in_dtype = x.dtype
-    if call.dtypes is None:
-        if in_dtype in REDUCED and backward_reduces(call.op, call.src, call.dst):
-            return  # a narrow input is refused when it needs a gradient: checked per call by the full path
-    elif back_dtype is None or call.dtypes.op is not None or call.dtypes.out is not None:
-        return
-    else:  # the plan of backward_options={"op_dtype": d}: no cast forward; keep our own copy of the options
-        call = call._replace(dtypes=call.dtypes._replace(backward={"op_dtype": back_dtype}))
-    back = dual(call)
-    if back.src.is_varying and back.op in _PRE_REDUCE:
-        back = None
-    elif back_dtype is not None and back_dtype is not in_dtype:
-        back = None  # the dual casts: resolved per gradient
-    if len(_ERASED) >= _ERASED_LIMIT:
-        _ERASED.clear()
-    mesh = current_mesh()
-    key = (args, in_dtype, back_dtype, None if mesh is None else mesh.token)
-    try:
-        if not _shape_free(call):
-            _ERASED[key] = _BY_SHAPE
-            key = (args, x.shape, *key[1:])
-        _ERASED[key] = Erased(call, _FUNCTIONS[call.op], _APPLY[call.op], KERNELS[call.op], is_alias(call), back,
-                              None if back is None else KERNELS[back.op], back is not None and is_alias(back),
-                              back_dtype)
-    except TypeError:  # an unhashable argument
-        pass
 
 
 # ---------------------------------------------------------------------------

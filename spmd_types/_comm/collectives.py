@@ -31,16 +31,15 @@ from .call import (
     check_input,
     check_local_size,
     check_sizes,
-    erased,
     finish,
     norm_dim,
-    remember_erased,
     resolve_comm,
     shards_in_range,
     type_result,
     unwrap,
 )
 from .dtypes import DtypePlan, for_call
+from .erased import erased, remember_erased
 from .kernels import keeps_shards
 from .redistribute_spec import redistribute_spec
 from .reinterpret_convert import convert

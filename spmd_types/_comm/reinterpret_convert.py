@@ -14,8 +14,9 @@ import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.types import SpmdType, V, base_type
-from .call import Call, begin, check_sizes, erased, finish, norm_dim, remember_erased
+from .call import Call, begin, check_sizes, finish, norm_dim
 from .dtypes import for_call
+from .erased import erased, remember_erased
 
 __all__ = ["reinterpret", "convert"]
 
