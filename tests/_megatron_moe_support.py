@@ -30,6 +30,7 @@ from _megatron_support import (
     plain,
     record_jobs,
     sp_layer_norm_class,
+    tracked_ddp_step,
     typed_inputs,
 )
 
@@ -268,23 +269,15 @@ def run_config(dispatcher: str, tp: int, ep: int, etp: int) -> dict[str, Any]:
 def run_ddp(dispatcher: str, tp: int, ep: int, etp: int) -> dict[str, Any]:
     """Megatron's DDP + finalize_model_grads, typed and tracked: the synced gradients vs one device's average."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from spmd_types import megatron as spmd_megatron
 
     init_moe(tp, ep, etp)
     dp = ps.get_data_parallel_world_size()
     model = build_moe(tp, ep, etp, dispatcher)
     ddp = DistributedDataParallel(moe_config(tp, ep, etp, dispatcher), DistributedDataParallelConfig(), model)
     forget_aux_losses()
-    with spmd.set_current_mesh(spmd_megatron.mesh()):
-        with spmd.typecheck():
-            spmd_megatron.type_parameters(ddp)
-        tracker = spmd_megatron.track_grad_sync(ddp)
-        with spmd.typecheck():
-            forward_backward(ddp, typed_inputs(make_batch(100 + ps.get_data_parallel_rank())))
-        with tracker:
-            finalize_model_grads([ddp])
+    tracker = tracked_ddp_step(ddp)
     synced = {n: plain(p.main_grad) for n, p in model.named_parameters()}
     full_w, full_g = gather_full(model, synced, synced=True)
     _, ref_g = _one_device(full_w, dispatcher, dp)

@@ -246,22 +246,14 @@ def run_config(tp: int, sp: bool) -> dict[str, Any]:
 def run_ddp(tp: int, sp: bool) -> dict[str, Any]:
     """Megatron's DDP + finalize_model_grads, typed and tracked; the synced gradients vs a tp=1 model's average."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from spmd_types import megatron as spmd_megatron
 
     init_parallel(tp)
     dp = ps.get_data_parallel_world_size()
     model = build_gpt(tp, sp)
     ddp = DistributedDataParallel(gpt_config(tp, sp), DistributedDataParallelConfig(), model)
-    with spmd.set_current_mesh(spmd_megatron.mesh()):
-        with spmd.typecheck():
-            spmd_megatron.type_parameters(ddp)
-        tracker = spmd_megatron.track_grad_sync(ddp)
-        with spmd.typecheck():
-            forward_backward(ddp, typed_inputs(make_batch(100 + ps.get_data_parallel_rank())))
-        with tracker:
-            finalize_model_grads([ddp])
+    tracker = tracked_ddp_step(ddp)
     synced = {n: plain(p.main_grad) for n, p in model.named_parameters()}
     full_w, full_g, spread = _gather_full(model, synced, synced=True)
     init_parallel(1)
@@ -274,6 +266,25 @@ def run_ddp(tp: int, sp: bool) -> dict[str, Any]:
     want = {n: g / dp for n, g in grads(ref).items()}
     return {"key": f"ddp_tp{tp}_sp{int(sp)}", "grad_vs_tp1": _max_diff(full_g, want),
             "unsynced": tracker.unsynced(), "invariant_grad_spread": spread}
+
+
+def tracked_ddp_step(ddp) -> Any:
+    """Megatron's DDP training step, typed: type the parameters, track the gradient buffers, one typed
+    forward+backward of this dp rank's micro-batch, then ``finalize_model_grads`` inside the tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from spmd_types import megatron as spmd_megatron
+
+    with spmd.set_current_mesh(spmd_megatron.mesh()):
+        with spmd.typecheck():
+            spmd_megatron.type_parameters(ddp)
+        tracker = spmd_megatron.track_grad_sync(ddp)
+        with spmd.typecheck():
+            forward_backward(ddp, typed_inputs(make_batch(100 + ps.get_data_parallel_rank())))
+        with tracker:
+            finalize_model_grads([ddp])
+    return tracker
 
 
 def worker(rank: int, init_method: str, out_dir: str) -> None:

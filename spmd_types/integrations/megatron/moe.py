@@ -123,7 +123,8 @@ def _aux_loss_rule(activation: TypeMap | None, aux_loss: TypeMap | None) -> Any:
     gains the sum over ranks of each rank's value. That is the load-balancing
     loss when each rank holds its own tokens' share (V); on an axis where the
     aux loss is the same on every rank (R or I) each rank would add it once
-    more (counted group-size times); a pending sum P is not a value to add.
+    more (counted group-size times). A pending sum P is accepted: the ones
+    reach each rank's piece, the gradient of the sum (R, as P's gradient is).
     """
     if activation is None:
         return None
@@ -137,11 +138,6 @@ def _aux_loss_rule(activation: TypeMap | None, aux_loss: TypeMap | None) -> Any:
                     [f"keep the aux loss each rank's own share (V on {axis!r}): compute it from this rank's tokens "
                      "and the all-reduced tokens-per-expert counts, as switch_load_balancing_loss_func does",
                      f"divide it by the size of {axis!r} if every rank must hold the whole value"])
-            if t is P:
-                return _reject(
-                    f"MoEAuxLossAutoScaler: the aux loss is a pending sum (P) on {axis!r}; a loss is a value",
-                    [("axis", axis), ("aux_loss", aux_loss.format())],
-                    [f"spmd.all_reduce(aux_loss, {axis!r}, src=spmd.P, dst=spmd.I)"])
     return activation.as_dict()
 
 
