@@ -88,15 +88,51 @@ def _line_of(code: str) -> int:
 
 
 def test_unregistered_identity_forward_is_refused(tp4):
+    # Its forward runs no op (it returns its input): refused at the output's first use, naming the apply line.
     copy_cls, _ = _functions()
     x = torch.randn(2, 8, requires_grad=True)
     with spmd.set_current_mesh(tp4), spmd.typecheck():
         xt = spmd.assert_type(x, {"tp": I})
+        y = copy_cls.apply(xt, tp4.get_group())
         with pytest.raises(spmd.SpmdTypeError) as err:
-            copy_cls.apply(xt, tp4.get_group())
-    code = "copy_cls.apply(xt, tp4.get_group())"
+            y * 2
+    code = "y = copy_cls.apply(xt, tp4.get_group())"
     want = UNREGISTERED.format(name="CopyToRegion", line=_line_of(code), code=code)
     assert err.value.plain == want
+
+
+def test_unregistered_identity_forward_is_refused_at_the_end_of_typecheck(tp4):
+    copy_cls, _ = _functions()
+    with pytest.raises(spmd.SpmdTypeError, match="CopyToRegion is applied"):
+        with spmd.set_current_mesh(tp4), spmd.typecheck():
+            y = copy_cls.apply(spmd.assert_type(torch.randn(2, 8, requires_grad=True), {"tp": I}), tp4.get_group())
+    assert y.grad_fn is not None  # kept alive to the end of the block, never used in it
+
+
+def test_unregistered_forward_with_setup_context_is_refused(tp4):
+    # No ctx argument: the class is found by its forward's code object.
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    with spmd.set_current_mesh(tp4), spmd.typecheck():
+        xt = spmd.assert_type(torch.randn(2, 8, requires_grad=True), {"tp": I})
+        with pytest.raises(spmd.SpmdTypeError, match="Scale is applied"):
+            Scale.apply(xt)
+        spmd.register_autograd_function(Scale, local=True)
+        try:
+            assert spmd.get_type(Scale.apply(xt)) == {"tp": I}
+        finally:
+            spmd.unregister_autograd_function(Scale)
 
 
 def test_unregistered_communicating_forward_is_refused_before_communicating(tp4):
@@ -110,11 +146,20 @@ def test_unregistered_communicating_forward_is_refused_before_communicating(tp4)
 
 def test_unregistered_is_refused_without_grad_too(tp4):
     """A Function's forward always runs with grad mode off, whether or not its inputs need a gradient."""
+    _, reduce_cls = _functions()
+    with LocalTensorMode(N), spmd.set_current_mesh(tp4), spmd.typecheck():
+        xt = spmd.assert_type(per_rank(lambda r: torch.full((2,), float(r))), {"tp": V})
+        with pytest.raises(spmd.SpmdTypeError, match="ReduceFromRegion is applied"):
+            reduce_cls.apply(xt, tp4.get_group())
+
+
+def test_unregistered_identity_without_grad_passes_its_input_through(tp4):
+    # It runs no op and no backward will run: the input comes back as it was, type included (docs/choices.md).
     copy_cls, _ = _functions()
     with spmd.set_current_mesh(tp4), spmd.typecheck():
         xt = spmd.assert_type(torch.randn(2, 8), {"tp": I})
-        with pytest.raises(spmd.SpmdTypeError, match="CopyToRegion is applied"):
-            copy_cls.apply(xt, tp4.get_group())
+        y = copy_cls.apply(xt, tp4.get_group())
+        assert spmd.get_type(y * 2) == {"tp": I}
 
 
 def test_unregistered_runs_untouched_outside_typecheck(tp4):

@@ -47,7 +47,8 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
            "register_local_autograd_function", "register_decomposition", "pure_rule"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-_FUNCTION_BASE_APPLY = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+# Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
+_FUNCTION_BASE_APPLY = torch.autograd.Function.__dict__["apply"]
 
 
 class Registration(NamedTuple):
@@ -216,8 +217,9 @@ def _registration(local, op, axis, src, dst, reduce, rule, transparent, cls=None
 
 
 def _original_apply(cls: type, reg: Registration | None, args: tuple, kwargs: dict) -> Any:
-    fn = reg.original_apply if reg is not None and reg.original_apply is not None else _FUNCTION_BASE_APPLY
-    return fn(cls, *args, **kwargs)
+    if reg is not None and reg.original_apply is not None:
+        return reg.original_apply(cls, *args, **kwargs)
+    return _FUNCTION_BASE_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:

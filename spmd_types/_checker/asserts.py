@@ -18,6 +18,7 @@ from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
+from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
@@ -104,7 +105,10 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
     try:
         apply_remembered(assert_type)  # types given by assert_type outside typecheck()
         yield
+        if WATCHED.outputs:  # a Function that returned its input as it is, its output never used since
+            check_apply_outputs()
     finally:
+        WATCHED.outputs = []
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
         forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
 

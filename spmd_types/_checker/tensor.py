@@ -19,7 +19,7 @@ from .._core.mesh import current_mesh
 from .._core.spec import format_shape, short_dtype
 from .._core.state import BY_GRADIENT, STATE
 from .._core.types import I, R, TypeMap, V
-from .._guards.function_guard import check_no_unregistered_function
+from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unregistered_function, watch_apply_output
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
@@ -59,6 +59,7 @@ _CACHES: tuple[dict, dict] = ({}, {})  # non-strict, strict
 _MISSING = object()
 _TRANSFORMED = object()  # a torch.func transform's wrapped tensor (see _vmap.py)
 _DIM = torch.Tensor.dim
+_VIEW_AS = torch.Tensor.view_as
 _REGISTER_HOOK = torch.Tensor.register_hook
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
@@ -100,8 +101,11 @@ class LTensor(torch.Tensor):
             if func in _UNCHECKED and compiling():  # dynamo reads a typed tensor's metadata
                 raise _compile_error(args[0])
             return _run(func, args, kwargs)
+        if WATCHED.outputs:  # an input a Function returned as it is, aliased by apply: its class now known
+            check_apply_outputs()
         if not _grad_enabled() and not _fwd_grad_enabled():  # how a custom Function's forward runs
-            check_no_unregistered_function()
+            if not check_no_unregistered_function() and func is _VIEW_AS:
+                return watch_apply_output(_typed_call(func, args, kwargs))
         if func in _UNCHECKED:
             if func is _DIM and vmap_setup_caller():  # torch.vmap is batching a typed tensor
                 raise transform_error(format_tensor_type(args[0], args[0]._spmd_types))
@@ -253,6 +257,8 @@ def _make_operator(name: str):
                 return base(self, other)
         if not STATE.checking:  # erased: as any op on a typed tensor outside checking (simulated ranks included)
             return _run(base, (self, other), {})
+        if WATCHED.outputs:
+            check_apply_outputs()
         if not _grad_enabled() and not _fwd_grad_enabled():
             check_no_unregistered_function()
         return _typed_call(base, (self, other), {})
