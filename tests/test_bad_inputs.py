@@ -400,9 +400,9 @@ CASES: list[Case] = [
     Case("typecheck-local-int", lambda: enter(spmd.typecheck(local=5)), TypeError,
          "typecheck(local=...) takes True, False, an axis name, a collection of axis names or {axis: bool}; "
          "got 5", ctx="mesh", exact=True),
-    Case("typecheck-local-none", lambda: enter(spmd.typecheck(local=None)), TypeError,
+    Case("typecheck-local-three", lambda: enter(spmd.typecheck(local=3)), TypeError,
          "typecheck(local=...) takes True, False, an axis name, a collection of axis names or {axis: bool}; "
-         "got None", ctx="mesh", exact=True),
+         "got 3", ctx="mesh", exact=True),
     Case("typecheck-local-float", lambda: enter(spmd.typecheck(local=1.0)), TypeError,
          "typecheck(local=...) takes True, False, an axis name", ctx="mesh"),
     Case("typecheck-local-list-of-ints", lambda: enter(spmd.typecheck(local=[0, 1])), TypeError,
@@ -417,12 +417,15 @@ CASES: list[Case] = [
          "typecheck(local=...): " + UNKNOWN, ctx="mesh", exact=True),
     Case("typecheck-strict-str", lambda: enter(spmd.typecheck(strict="yes")), TypeError,
          "typecheck(strict=...) takes True or False, got 'yes'", ctx="mesh", exact=True),
-    Case("typecheck-strict-none", lambda: enter(spmd.typecheck(strict=None)), TypeError,
-         "typecheck(strict=...) takes True or False, got None", ctx="mesh", exact=True),
+    Case("typecheck-strict-mode", lambda: enter(spmd.typecheck(strict_mode="loose")), ValueError,
+         "typecheck(strict_mode=...) takes 'strict' or 'permissive', got 'loose'", ctx="mesh", exact=True),
+    Case("typecheck-strict-both", lambda: enter(spmd.typecheck("strict", strict=True)), TypeError,
+         "typecheck() takes strict_mode= or strict=, not both", ctx="mesh", exact=True),
     Case("typecheck-strict-int", lambda: enter(spmd.typecheck(strict=1)), TypeError,
          "typecheck(strict=...) takes True or False, got 1", ctx="mesh", exact=True),
     Case("typecheck-positional", lambda: enter(spmd.typecheck(True)), TypeError,
-         "typecheck() takes 0 positional arguments but 1 was given", ctx="mesh"),
+         "typecheck(strict_mode=...) takes 'strict' or 'permissive', got True; local or global SPMD is local=..., "
+         "strictness strict=...", ctx="mesh", exact=True),
     Case("typecheck-bad-inside-good", lambda: enter(spmd.typecheck(local=7)), TypeError, "got 7"),
     # --- assert_type with bad type dicts, tensors and partition specs
     Case("assert-types-list", lambda: spmd.assert_type(t(4), [R]), TypeError,

@@ -561,15 +561,23 @@ def test_local_dp_with_global_tp_on_simulated_ranks():
         torch.testing.assert_close(zs[r], torch.stack([ys[r % 2], ys[2 + r % 2]]))
 
 
-def test_typecheck_takes_strict_as_a_bool():
-    """Difference: the published typecheck(strict_mode='strict'|'permissive') defaults to strict; ours is
-    typecheck(strict=False) (permissive unless asked)."""
-    with pytest.raises(TypeError):
-        spmd.typecheck(strict_mode="strict").__enter__()
-    with spmd.typecheck():
-        from spmd_types._core.state import STATE
+def test_typecheck_takes_strict_mode_and_inherits_when_nested():
+    """The published typecheck(strict_mode='strict'|'permissive', local=None): torch 2.14's local_map calls
+    spmd_types._checker.typecheck(strict_mode="strict"). Nested, what is not given is inherited. The outermost
+    default stays permissive (choice 41; the published default is strict)."""
+    from spmd_types._checker import typecheck
+    from spmd_types._core.state import STATE
 
-        assert STATE.strict is False
+    with spmd.typecheck():
+        assert STATE.strict is False and STATE.global_mode is False
+    with typecheck(strict_mode="strict"):
+        assert STATE.strict is True
+        with spmd.typecheck(local=False):
+            assert STATE.strict is True and STATE.global_mode is True
+            with spmd.typecheck("permissive"):
+                assert STATE.strict is False and STATE.global_mode is True
+        assert STATE.strict is True and STATE.global_mode is False
+    assert STATE.checking is False
 
 
 # ---------------------------------------------------------------------------

@@ -79,14 +79,19 @@ def _local_axes(local: LocalSpec) -> tuple[bool, frozenset]:
 
 
 @contextlib.contextmanager
-def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None]:
+def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
+              strict: bool | None = None) -> Iterator[None]:
     """Check every op on typed tensors inside the block.
 
     ``local=True`` (the default) checks local SPMD on every axis; ``local=False``
     checks global SPMD (partition specs, shard propagation) on every axis; a
     collection of axis names (or ``{axis: is_local}``) keeps those axes local
-    and checks the others globally. ``strict=True`` also rejects a plain
-    (untyped) tensor meeting a typed one. Checking is per thread.
+    and checks the others globally. ``strict=True`` (the published API's
+    ``strict_mode="strict"``) also rejects a plain (untyped) tensor meeting a
+    typed one; ``strict_mode="permissive"`` is ``strict=False``. Nested inside
+    another ``typecheck()``, what is not given is inherited from it; the
+    outermost defaults are local and permissive (docs/choices.md, choice 41).
+    Checking is per thread.
 
     Example::
 
@@ -95,10 +100,14 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
         with spmd.set_current_mesh(mesh), spmd.typecheck(local=["ep"]):
             ...  # global SPMD on every axis but "ep"
     """
-    if not isinstance(strict, bool):
-        raise TypeError(f"typecheck(strict=...) takes True or False, got {strict!r}")
-    global_mode, local_axes = _local_axes(local)  # a bad argument raises before any state changes
+    strict = _strictness(strict_mode, strict)
     saved = (STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes)
+    if local is None:  # inherited inside another typecheck(), else local SPMD
+        global_mode, local_axes = (STATE.global_mode, STATE.local_axes) if STATE.checking else (False, frozenset())
+    else:
+        global_mode, local_axes = _local_axes(local)  # a bad argument raises before any state changes
+    if strict is None:
+        strict = STATE.strict if STATE.checking else False
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
     load_if_imported()  # DTensor's registrations (DTensor.from_local of a typed tensor) before the first op
@@ -111,6 +120,22 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
         WATCHED.outputs = []
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
         forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
+
+
+def _strictness(strict_mode: str | None, strict: bool | None) -> bool | None:
+    """``strict=`` or the published ``strict_mode=`` (not both), checked; None when neither is given."""
+    if strict_mode is not None:
+        if strict is not None:
+            raise TypeError("typecheck() takes strict_mode= or strict=, not both")
+        if not isinstance(strict_mode, str):  # typecheck(True) meant strict=True or local=True
+            raise TypeError(f"typecheck(strict_mode=...) takes 'strict' or 'permissive', got {strict_mode!r}; "
+                            "local or global SPMD is local=..., strictness strict=...")
+        if strict_mode not in ("strict", "permissive"):
+            raise ValueError(f"typecheck(strict_mode=...) takes 'strict' or 'permissive', got {strict_mode!r}")
+        return strict_mode == "strict"
+    if strict is not None and not isinstance(strict, bool):
+        raise TypeError(f"typecheck(strict=...) takes True or False, got {strict!r}")
+    return strict
 
 
 def is_checking() -> bool:
