@@ -41,6 +41,7 @@ __all__ = [
     "SpmdType", "PerMeshAxisSpmdType", "PerMeshAxisLocalSpmdType", "PerMeshAxisSpmdTypes", "LocalSpmdType",
     "DeviceMeshAxis", "PartitionSpec", "PartitionSpecEntry", "DimSharding", "TensorSharding", "MeshAxis",
     "SpmdTypeError", "backward_type", "normalize_axis", "normalize_mesh", "normalize_partition_spec", "format_axis",
+    "partition_spec_to_shard_types", "shard_types_to_partition_spec", "partition_spec_get_shard",
 ]
 
 PerMeshAxisSpmdType = SpmdType
@@ -107,17 +108,74 @@ def normalize_mesh(axes: Any) -> frozenset[MeshAxis]:
 
 
 def normalize_partition_spec(spec: Any) -> PartitionSpec:
-    """``spec`` with every axis resolved to the current mesh's names, axes of one rank dropped."""
-    from ._core.mesh import resolve_axes
+    """``spec`` with every axis as its :class:`MeshAxis` (names read on the current mesh), axes of one rank dropped.
 
-    entries = []
+    Example::
+
+        spmd.normalize_partition_spec(spmd.PartitionSpec("tp", None))   # PartitionSpec(tp, None), tp a MeshAxis
+    """
+    entries: list[Any] = []
     for entry in spec:
-        if entry is None:
-            entries.append(None)
-            continue
-        names = tuple(n for a in (entry if isinstance(entry, tuple) else (entry,)) for n in resolve_axes(a))
-        entries.append(None if not names else names[0] if len(names) == 1 else names)
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        regions = tuple(r for r in (normalize_axis(a) for a in axes) if r.size() > 1)
+        entries.append(None if not regions else regions[0] if len(regions) == 1 else regions)
     return PartitionSpec(*entries)
+
+
+def partition_spec_to_shard_types(spec: Any) -> dict[MeshAxis, Shard]:
+    """``{axis: S(d)}`` for every axis that shards dim ``d`` in ``spec`` (keys :class:`MeshAxis`).
+
+    torch 2.14's FSDP2 calls it on a parameter's partition spec. An axis placed
+    on two dims is an ``SpmdTypeError``.
+
+    Example::
+
+        partition_spec_to_shard_types(spmd.PartitionSpec(None, "tp"))   # {tp: S(1)}
+    """
+    out: dict[MeshAxis, Shard] = {}
+    for dim, entry in enumerate(normalize_partition_spec(spec)):
+        for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+            if axis in out:
+                raise SpmdTypeError(f"axis {axis!r} is placed on both dim {out[axis].dim} and dim {dim} of the "
+                                    "partition spec")
+            out[axis] = S(dim)
+    return out
+
+
+def shard_types_to_partition_spec(types: Any, ndim: int, axis_order: Any = None) -> PartitionSpec:
+    """The partition spec that a type dict's ``S(d)`` entries make, ``ndim`` entries long (R, I, V, P say nothing).
+
+    Two axes sharding one dim need ``axis_order`` (outer first) to say their
+    order; without it that is an ``SpmdTypeError``. Keys are kept as given.
+
+    Example::
+
+        shard_types_to_partition_spec({"dp": spmd.S(0), "tp": spmd.R}, 2)   # PartitionSpec('dp', None)
+    """
+    dims: dict[int, list[Any]] = {}
+    ordered = [a for a in (axis_order or ()) if isinstance(types.get(a), Shard)]
+    for axis in ordered + [a for a, t in types.items() if isinstance(t, Shard) and a not in ordered]:
+        dim = types[axis].dim % ndim
+        dims.setdefault(dim, []).append(axis)
+        unordered = [a for a in dims[dim] if a not in ordered]
+        if len(dims[dim]) > 1 and unordered:
+            shown = ", ".join(format_axis(a) for a in dims[dim])
+            raise SpmdTypeError(f"tensor dim {dim} is sharded on several axes ({shown}); give their order, outer "
+                                "first, as axis_order=")
+    return PartitionSpec(*(None if d not in dims else dims[d][0] if len(dims[d]) == 1 else tuple(dims[d])
+                           for d in range(ndim)))
+
+
+def partition_spec_get_shard(spec: Any, axis: Any) -> Shard | None:
+    """``S(d)`` when ``axis`` shards dim ``d`` in ``spec``, else None (also for ``spec=None``).
+
+    Example::
+
+        partition_spec_get_shard(spmd.get_partition_spec(x), "tp")   # S(0)
+    """
+    if spec is None:
+        return None
+    return partition_spec_to_shard_types(spec).get(normalize_axis(axis))
 
 
 def format_axis(axis: Any) -> str:

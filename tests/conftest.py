@@ -19,6 +19,13 @@ def fake_world(size: int) -> None:
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
 
 
+def by_region(types: dict) -> dict:
+    """``{name: type}`` keyed as ``spmd.get_local_type`` keys it: by the current mesh's region for each name."""
+    import spmd_types as spmd
+
+    return {spmd.normalize_axis(a): t for a, t in types.items()}
+
+
 def fake_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     """A DeviceMesh of ``shape`` with ``names`` on a fake process group of matching size."""
     fake_world(math.prod(shape))

@@ -223,14 +223,17 @@ def _run(fn, x, g):
     return y, gx, fwd.counts, bwd.counts
 
 
-def _mesh_and_group(row: Row):
+def _mesh_of(row: Row):
+    return fake_mesh((N,), ("tp",)) if row.axis == "tp" else fake_mesh((2, 2), ("ep", "tp"))
+
+
+def _group_of(row: Row, mesh):
+    """Megatron's view of the group (inside LocalTensorMode the rank index is a per-rank value)."""
     if row.axis == "tp":
-        mesh = fake_mesh((N,), ("tp",))
-        return mesh, _Group(mesh.get_group("tp"), N, mesh.get_local_rank("tp"))
-    mesh = fake_mesh((2, 2), ("ep", "tp"))
+        return _Group(mesh.get_group("tp"), N, mesh.get_local_rank("tp"))
     import torch.distributed as dist
 
-    return mesh, _Group(dist.group.WORLD, N, None)
+    return _Group(dist.group.WORLD, N, None)
 
 
 def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -241,9 +244,9 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_megatron_function_matches_one_spmd_call(row):
-    mesh, _ = _mesh_and_group(row)
+    mesh = _mesh_of(row)  # made once, outside the mode (torch 2.14 makes a new fake world inside it)
     with LocalTensorMode(N), spmd.set_current_mesh(mesh):
-        _GROUP.append(_mesh_and_group(row)[1])  # the rank index is a per-rank value only inside the mode
+        _GROUP.append(_group_of(row, mesh))  # the rank index is a per-rank value only inside the mode
         try:
             x = random_value(mesh, _types(mesh, row.axis, row.src), row.shape)
             with torch.no_grad():

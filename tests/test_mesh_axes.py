@@ -12,6 +12,7 @@ import enum
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import by_region
 from torch.distributed.device_mesh import init_device_mesh
 
 import spmd_types as spmd
@@ -257,7 +258,7 @@ def test_a_flattened_group_types_each_of_its_axes(cube):
 
 def test_a_size_one_axis_carries_no_type(with_one):
     x = spmd.assert_type(torch.randn(4), {"dp": V, "pp": P, "tp": R})
-    assert spmd.get_type(x) == {"dp": V, "tp": R} and spmd.get_local_type(x) == {"dp": V, "tp": R}
+    assert spmd.get_type(x) == {"dp": V, "tp": R} and spmd.get_local_type(x) == by_region({"dp": V, "tp": R})
     assert spmd.get_type(spmd.assert_type(torch.randn(4), {"pp": R, "dp": R, "tp": R})) == {"dp": R, "tp": R}
     assert resolve_axes("pp") == () and resolve_axes(with_one.get_group("pp")) == ()
     with simulate((1,), ("solo",)), spmd.typecheck():

@@ -20,6 +20,7 @@ import traceback
 
 import pytest
 import torch
+from conftest import by_region
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import spmd_types as spmd
@@ -187,7 +188,7 @@ def test_outside_typecheck_assert_type_remembers_and_typecheck_applies_it():
     with simulate((2,), ("tp",)):
         x = torch.randn(2)
         assert spmd.assert_type(x, {"tp": V}) is x and type(x) is torch.Tensor
-        assert spmd.has_local_type(x) and spmd.get_local_type(x) == {"tp": V}
+        assert spmd.has_local_type(x) and spmd.get_local_type(x) == by_region({"tp": V})
         with spmd.typecheck():
             assert type(x) is spmd.LTensor and spmd.get_type(x) == {"tp": V}
 
@@ -222,7 +223,7 @@ def test_asserting_p_on_a_v_tensor_is_refused(local):
 
 def test_shard_types_on_assert(local):
     x = spmd.assert_type(torch.randn(4, 6), {"dp": R, "tp": S(-1)})
-    assert spmd.get_type(x) == {"dp": R, "tp": S(1)} and spmd.get_local_type(x) == {"dp": R, "tp": V}
+    assert spmd.get_type(x) == {"dp": R, "tp": S(1)} and spmd.get_local_type(x) == by_region({"dp": R, "tp": V})
     with pytest.raises(ValueError) as info:
         spmd.assert_type(torch.randn(4, 6), {"tp": S(2)})
     assert str(info.value) == "S(2) on axis 'tp' is out of range for a 2-d tensor"
@@ -270,7 +271,7 @@ def test_get_and_has_local_type(local):
     plain = torch.randn(2)
     assert spmd.get_local_type(plain) == {} and not spmd.has_local_type(plain)
     x = spmd.assert_type(torch.randn(4, 2), {"dp": P, "tp": S(0)})
-    assert spmd.get_local_type(x) == {"dp": P, "tp": V} and spmd.has_local_type(x)
+    assert spmd.get_local_type(x) == by_region({"dp": P, "tp": V}) and spmd.has_local_type(x)
     assert spmd.get_type(x) == {"dp": P, "tp": S(0)}  # ours keeps the layout in the type
     assert spmd.get_axis_local_type(x, "tp") is V and spmd.get_axis_local_type(x, local.get_group("dp")) is P
     assert spmd.maybe_get_axis_local_type(plain, "tp") is None

@@ -37,7 +37,7 @@ from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.state import STATE
 from .._core.types import SpmdType, TypeMap, check_type_value
-from .._guards.function_guard import ALLOWED
+from .._guards.function_guard import ALLOWED, torch_transparent
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
@@ -273,6 +273,9 @@ def register_local_autograd_function(cls: type) -> type:
     """Register a Function that does no communication: the standard rule types it (``local=True``).
 
     The published API's name for ``register_autograd_function(cls, local=True)``; usable as a decorator.
+    torch 2.14 calls it on FSDP2's ``RegisterPostBackwardFunction``; a torch Function this package already
+    checks op by op (an identity that runs hooks, ``_guards/function_guard.py``) stays checked that way, which
+    also types it in global SPMD.
 
     Example::
 
@@ -280,6 +283,8 @@ def register_local_autograd_function(cls: type) -> type:
         class FusedSwiGLU(torch.autograd.Function):
             ...
     """
+    if isinstance(cls, type) and torch_transparent(cls):
+        return register_autograd_function(cls, transparent=True)
     return register_autograd_function(cls, local=True)
 
 

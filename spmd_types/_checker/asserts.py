@@ -25,14 +25,15 @@ from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .latent import apply_remembered, remember, remembered
 from .reading import (  # noqa: F401 - the readers are re-exported here, beside assert_type
+    by_region,
     get_axis_local_type,
-    get_partition_spec,
     get_type,
     maybe_get_axis_local_type,
     present,
     rehome_here,
 )
 from .reading import get_local_type as _typed_local_type
+from .reading import get_partition_spec as _typed_partition_spec
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
 
@@ -419,27 +420,82 @@ def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
 
 
 def get_local_type(t: Any) -> dict[Any, SpmdType]:
-    """The published API's view of a tensor's type: ``{axis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
+    """The published API's view of a tensor's type: ``{MeshAxis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
 
-    Axes of size 1 carry no type and do not appear. The layout of V axes is the
-    partition spec (:func:`get_partition_spec`). A type given outside
-    ``typecheck()`` with no mesh current comes back as it was given.
+    Keyed by regions of ranks (:class:`spmd.MeshAxis`), outermost first, as
+    torch 2.14's FSDP2 and ``local_map`` read it; axes of size 1 do not appear.
+    The layout of V axes is the partition spec (:func:`get_partition_spec`). A
+    type given outside ``typecheck()`` reads the same (resolved under the mesh
+    it was given with); given with no mesh and keyed by names, its keys stay names.
 
     Example::
 
-        out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
+        out_types = {**spmd.get_local_type(x), spmd.MeshAxis.of(tp_group): spmd.S(1)}  # x's types, tp changed
     """
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_local_type(t)  # presented on the current mesh
     found = _remembered_types(t)
     if found is None:
         return {}
-    items = found.items if isinstance(found, TypeMap) else found.items()
-    return {a: (V if ty.is_varying else ty) for a, ty in items}
+    if isinstance(found, tuple):
+        return by_region(found[0])
+    out: dict[Any, SpmdType] = {}
+    for a, ty in found.items():
+        key = _region_or_name(a)
+        if key is not None:
+            out[key] = V if ty.is_varying else ty
+    return out
 
 
-def _remembered_types(t: Any) -> TypeMap | Mapping | None:
-    """What a record made outside typecheck() stands for: resolved under its mesh (or the current one), else as given."""
+def get_partition_spec(t: Any) -> Any:
+    """A typed tensor's partition spec, its axes as regions of ranks (:class:`spmd.MeshAxis`); None if it has none.
+
+    Local SPMD keeps one too when ``S(d)`` or ``partition_spec=`` places an axis
+    (torch 2.14's FSDP2 reads it to shard a parameter); a type given outside
+    ``typecheck()`` has its spec read the same way. Entries compare by region:
+    ``PartitionSpec('tp', None)`` equals it under a mesh that calls that region ``tp``.
+
+    Example::
+
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
+            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
+            spmd.get_partition_spec(x)   # PartitionSpec(tp, None)
+    """
+    if getattr(t, "_spmd_types", None) is not None:
+        return _typed_partition_spec(t)
+    found = _remembered_types(t)
+    if found is None:
+        return None
+    if isinstance(found, tuple):
+        types, spec = found
+        if spec is None:
+            return None
+        space = types.space
+        return to_partition_spec(tuple(tuple(space.region(a) if space is not None else a for a in e) for e in spec))
+    shards = {_region_or_name(a): ty for a, ty in found.items() if isinstance(ty, Shard)}
+    shards.pop(None, None)
+    if not shards:
+        return None
+    ndim = t.dim()
+    entries: list[tuple] = [() for _ in range(ndim)]
+    for a, ty in shards.items():
+        entries[ty.dim % ndim] += (a,)
+    return to_partition_spec(tuple(entries))
+
+
+def _region_or_name(axis: Any) -> Any:
+    """A type dict's key as a region of ranks (None for one of size 1); a name stays a name (no mesh to read it)."""
+    from .._core.axes import MeshAxis, region_of_group
+
+    if isinstance(axis, str):
+        return str.__str__(axis)
+    region = axis if isinstance(axis, MeshAxis) else region_of_group(axis)
+    return region if region.size() > 1 else None
+
+
+def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None] | Mapping | None:
+    """What a record made outside typecheck() stands for: (types, spec) resolved under its mesh (or the current
+    one), else the type dict as given."""
     record = remembered(t)
     if record is None:
         return None
@@ -451,7 +507,7 @@ def _remembered_types(t: Any) -> TypeMap | Mapping | None:
     from .._core.mesh import set_current_mesh
 
     with set_current_mesh(mesh):
-        return _placed(t, types, spec)[0]
+        return _placed(t, types, spec)
 
 
 def has_local_type(t: Any) -> bool:
@@ -467,7 +523,7 @@ def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = No
         out = all_gather_into(buf, x)
         spmd.assert_type_like(out, x, {"tp": spmd.R})
     """
-    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, get_partition_spec(source))
+    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, _typed_partition_spec(source))
 
 
 def assert_local_type(t: T, types: TypeSpec) -> T:

@@ -20,7 +20,7 @@ from .._core.spec import to_partition_spec
 from .._core.types import PartitionSpec, SpmdType, TypeMap, V
 
 __all__ = ["get_type", "get_partition_spec", "get_local_type", "has_local_type", "get_axis_local_type",
-           "maybe_get_axis_local_type", "present", "rehome_here"]
+           "maybe_get_axis_local_type", "present", "rehome_here", "by_region"]
 
 
 def present(t: torch.Tensor, who: str, *, strict: bool = True) -> tuple[TypeMap, list | None]:
@@ -64,20 +64,32 @@ def _cannot_move(who: str, types: TypeMap, mesh: Any, why: str) -> SpmdTypeError
     )
 
 
-def get_local_type(t: Any) -> dict[str, SpmdType]:
-    """The published API's view of a tensor's type: ``{axis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
+def get_local_type(t: Any) -> dict[Any, SpmdType]:
+    """The published API's view of a typed tensor's type: ``{MeshAxis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
 
-    Axes of size 1 carry no type and do not appear. The layout of V axes is the
-    partition spec (:func:`get_partition_spec`).
+    Keyed by regions of ranks (:class:`MeshAxis`), outermost first, as torch
+    2.14's FSDP2 and ``local_map`` read it; the layout of V axes is the
+    partition spec (:func:`get_partition_spec`). Axes of size 1 carry no type
+    and do not appear.
 
     Example::
 
-        out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
+        spmd.get_local_type(x)   # {dp: V, tp: R}, keys MeshAxis objects
     """
     if getattr(t, "_spmd_types", None) is None:
         return {}
     types, _ = present(t, "get_local_type", strict=False)
-    return {a: (V if ty.is_varying else ty) for a, ty in types.items}
+    return by_region(types)
+
+
+def by_region(types: TypeMap) -> dict[Any, SpmdType]:
+    """``types`` keyed by each axis's region (outermost first), S(d) read as V; by name where no region is known."""
+    space = types.space
+    pairs = [(space.region(a) if space is not None else None, a, ty) for a, ty in types.items]
+    if any(r is None for r, _, _ in pairs):
+        return {a: (V if ty.is_varying else ty) for _, a, ty in pairs}
+    pairs.sort(key=lambda p: -p[0].outer_stride())
+    return {r: (V if ty.is_varying else ty) for r, _, ty in pairs}
 
 
 def maybe_get_axis_local_type(t: Any, axis: Axis) -> SpmdType | None:
@@ -137,16 +149,26 @@ def has_local_type(t: Any) -> bool:
 
 
 def get_partition_spec(t: Any) -> PartitionSpec | None:
-    """A typed tensor's partition spec (global SPMD), or None if it has none.
+    """A typed tensor's partition spec, its axes as regions of ranks (:class:`MeshAxis`); None if it has none.
+
+    A spec comes from ``S(d)`` and ``partition_spec=`` in local SPMD too, and from
+    global SPMD's propagation. Its entries compare by region, so
+    ``PartitionSpec('tp', None)`` equals it under a mesh that calls that region ``tp``.
 
     Example::
 
-        with spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
+        with spmd.set_current_mesh(mesh), spmd.typecheck():
             x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
-            spmd.get_partition_spec(x)   # PartitionSpec('tp', None)
+            spmd.get_partition_spec(x)   # PartitionSpec(tp, None)
     """
     spec = getattr(t, "_spmd_spec", None) if isinstance(t, torch.Tensor) else None
-    return to_partition_spec(spec) if spec is not None else None
+    if spec is None:
+        return None
+    types = getattr(t, "_spmd_types", None)
+    space = types.space if types is not None else None
+    if space is None:
+        return to_partition_spec(spec)
+    return to_partition_spec(tuple(tuple(space.region(a) or a for a in entry) for entry in spec))
 
 
 def get_type(t: Any) -> dict[str, SpmdType] | None:

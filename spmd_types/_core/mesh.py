@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import axes as _axes
+from . import types as _types
 from .axes import MeshAxis, flatten, name_region, orthogonal, region_of_group
 from .types import Space
 
@@ -340,6 +341,56 @@ def _current_name(region: MeshAxis) -> str | None:
 
 
 _axes.CURRENT_NAME[0] = _current_name
+
+
+def _entries_equal(a: object, b: object) -> bool:
+    """Two partition-spec entries stand for the same regions (axes of one rank left out). A name is read on the
+    current mesh; one it does not have matches a region that a mesh gave that name."""
+    ra, rb = _entry_regions(a), _entry_regions(b)
+    if ra is None or rb is None:
+        return False
+    named_a = {x for x in ra if isinstance(x, str)}
+    named_b = {x for x in rb if isinstance(x, str)}
+    regions_a, regions_b = ra - named_a, rb - named_b
+    if len(ra) != len(rb):
+        return False
+    for name in named_a:  # a name with no mesh current matches a region of the other side that bears it
+        match = [r for r in regions_b if name in r.names] if name not in named_b else [name]
+        if len(match) != 1:
+            return False
+        (regions_b if match[0] in regions_b else named_b).discard(match[0])
+    for name in named_b:
+        match = [r for r in regions_a if name in r.names]
+        if len(match) != 1:
+            return False
+        regions_a.discard(match[0])
+    return regions_a == regions_b
+
+
+def _entry_regions(entry: object) -> set | None:
+    """The regions (of more than one rank) an entry stands for; a name not on the current mesh stays a name."""
+    axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    out: set = set()
+    mesh = current_mesh()
+    for a in axes:
+        if isinstance(a, str):
+            if mesh is None or a not in mesh.groups:  # matched against the other side's regions' names
+                out.add(a)
+                continue
+            region = mesh.region(a)
+        elif isinstance(a, MeshAxis):
+            region = a
+        else:
+            try:
+                region = region_of_group(a)
+            except TypeError:
+                return None
+        if region.size() > 1:
+            out.add(region)
+    return out
+
+
+_types.ENTRY_EQUAL[0] = _entries_equal
 
 
 def mesh_stack() -> tuple[Mesh, ...]:

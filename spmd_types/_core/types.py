@@ -64,6 +64,11 @@ class SpmdType:
         return (_by_short_name, (self._short,))
 
     @property
+    def name(self) -> str:
+        """The short name, as the published API's enum member has it (``spmd.V.name == 'V'``, ``'S(0)'``)."""
+        return self._short
+
+    @property
     def long_name(self) -> str:
         """The long name, e.g. ``'Replicate'``."""
         return self._long
@@ -262,6 +267,27 @@ class PartitionSpec(tuple):
 
     def __repr__(self) -> str:
         return "PartitionSpec(" + ", ".join(repr(e) for e in self) + ")"
+
+    def __eq__(self, other: object) -> bool:
+        """Entry by entry, by the regions of ranks the axes stand for (a name, a group and a MeshAxis of one
+        region are equal; axes of one rank shard nothing); a name is read on the current mesh."""
+        if tuple.__eq__(self, other) is True:
+            return True
+        if not isinstance(other, tuple) or len(other) != len(self):
+            return False
+        equal = ENTRY_EQUAL[0]
+        return all(a == b or equal(a, b) for a, b in zip(self, other))
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:  # equal specs have equal lengths (names and regions hash alike only so)
+        return hash((PartitionSpec, len(self)))
+
+
+# How two spec entries that differ as objects are compared: by the regions they stand for (set by
+# _core/mesh.py, which can read names on the current mesh)
+ENTRY_EQUAL: list = [lambda a, b: False]
 
 
 class Space:

@@ -37,8 +37,8 @@ import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source
 
-__all__ = ["ALLOWED", "check_no_unregistered_function", "unregistered_error", "watch_apply_output", "check_apply_outputs",
-           "WATCHED"]
+__all__ = ["ALLOWED", "torch_transparent", "check_no_unregistered_function", "unregistered_error",
+           "watch_apply_output", "check_apply_outputs", "WATCHED"]
 
 # Function classes whose forward may run on typed tensors: registered ones, and the package's own.
 ALLOWED: dict[type, str] = {}
@@ -75,7 +75,7 @@ def check_no_unregistered_function() -> bool:
         if code.co_name == "forward" and code not in _NOT_FORWARDS:
             for cls in _function_classes(frame):
                 inside = True
-                if cls not in ALLOWED and not _own(cls) and not _torch_transparent(cls):
+                if cls not in ALLOWED and not _own(cls) and not torch_transparent(cls):
                     raise unregistered_error(cls, _caller_line(frame))
         frame = frame.f_back
     return inside
@@ -104,7 +104,7 @@ def check_apply_outputs() -> None:
         out = ref()
         grad_fn = None if out is None else out.grad_fn
         cls = getattr(type(grad_fn), "_forward_cls", None)
-        if isinstance(cls, type) and cls not in ALLOWED and not _own(cls) and not _torch_transparent(cls):
+        if isinstance(cls, type) and cls not in ALLOWED and not _own(cls) and not torch_transparent(cls):
             raise unregistered_error(cls, line)
 
 
@@ -124,7 +124,7 @@ def _function_classes(frame: Any) -> tuple[type, ...]:
             _NOT_FORWARDS.add(code)  # a module's forward, say: never looked up again
             return ()
     # A forward inherited by several classes, none of them with ctx: refused only when none is allowed.
-    if any(c in ALLOWED or _own(c) or _torch_transparent(c) for c in classes):
+    if any(c in ALLOWED or _own(c) or torch_transparent(c) for c in classes):
         return ()
     return classes[:1]
 
@@ -169,7 +169,7 @@ def _own(cls: type) -> bool:
 _PACKAGE = __name__.split(".", 1)[0] + "."
 
 
-def _torch_transparent(cls: type) -> bool:
+def torch_transparent(cls: type) -> bool:
     return f"{cls.__module__}.{cls.__qualname__}" in _TORCH_TRANSPARENT
 
 
