@@ -437,8 +437,10 @@ def get_local_type(t: Any) -> dict[Any, SpmdType]:
     found = _remembered_types(t)
     if found is None:
         return {}
-    if isinstance(found, tuple):
-        return by_region(found[0])
+    if isinstance(found, tuple):  # the axes the assertion named (a spec's included), as regions
+        types, spec, given = found
+        named = set(given) | (axes_of(spec) if spec is not None else set())
+        return by_region(TypeMap.of({a: ty for a, ty in types.items if a in named}, types.space))
     out: dict[Any, SpmdType] = {}
     for a, ty in found.items():
         key = _region_or_name(a)
@@ -467,7 +469,7 @@ def get_partition_spec(t: Any) -> Any:
     if found is None:
         return None
     if isinstance(found, tuple):
-        types, spec = found
+        types, spec, _ = found
         if spec is None:
             return None
         space = types.space
@@ -493,9 +495,9 @@ def _region_or_name(axis: Any) -> Any:
     return region if region.size() > 1 else None
 
 
-def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None] | Mapping | None:
-    """What a record made outside typecheck() stands for: (types, spec) resolved under its mesh (or the current
-    one), else the type dict as given."""
+def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None, dict] | Mapping | None:
+    """What a record made outside typecheck() stands for: (types, spec, the axes it named) resolved under its mesh
+    (or the current one), else the type dict as given."""
     record = remembered(t)
     if record is None:
         return None
@@ -507,7 +509,7 @@ def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None] | Mapping | None:
     from .._core.mesh import set_current_mesh
 
     with set_current_mesh(mesh):
-        return _placed(t, types, spec)
+        return _placed_and_given(t, types, spec)
 
 
 def has_local_type(t: Any) -> bool:
