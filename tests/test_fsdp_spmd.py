@@ -22,8 +22,9 @@ from conftest import fake_mesh
 import spmd_types as spmd
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-if not hasattr(fsdp, "DataParallelMeshDims"):
-    pytest.skip("fully_shard(dp_mesh_dims=...) is torch 2.14's (this torch has none)", allow_module_level=True)
+if not hasattr(dist, "_is_spmd_types_available"):
+    pytest.skip("FSDP2 reads spmd types from torch 2.14 on (torch 2.13's fully_shard(dp_mesh_dims=) takes DTensors "
+                "only)", allow_module_level=True)
 
 import _fsdp_spmd as F  # noqa: E402
 
