@@ -19,6 +19,13 @@ def fake_world(size: int) -> None:
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
 
 
+def torch_calls_spmd_types() -> bool:
+    """Whether this torch's FSDP2 reads spmd types (torch 2.14 on; 2.13 has the flag but no caller)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "_restore_spmd_types")
+
+
 def by_region(types: dict) -> dict:
     """``{name: type}`` keyed as ``spmd.get_local_type`` keys it: by the current mesh's region for each name."""
     import spmd_types as spmd

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import fake_mesh
+from conftest import fake_mesh, torch_calls_spmd_types
 
 import spmd_types as spmd
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-if not hasattr(dist, "_is_spmd_types_available"):
+if not torch_calls_spmd_types():
     pytest.skip("FSDP2 reads spmd types from torch 2.14 on (torch 2.13's fully_shard(dp_mesh_dims=) takes DTensors "
                 "only)", allow_module_level=True)
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch.distributed as dist
+from conftest import torch_calls_spmd_types
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -34,10 +35,10 @@ def test_fsdp_dtensor_and_compile_are_unchanged_by_the_package():
     seen, hidden = _run("seen"), _run("hidden")
     import torch
 
-    calls_us = hasattr(dist, "_is_spmd_types_available")  # torch 2.14 and later import the package from FSDP2
+    calls_us = torch_calls_spmd_types()  # torch 2.14 and later import the package from FSDP2
     assert seen.pop("spmd_types imported") is calls_us, torch.__version__
     assert hidden.pop("spmd_types imported") is False
     assert seen == hidden
-    assert seen["from_local"] == {"placements": ["R"] if calls_us else ["Replicate()"],
+    assert seen["from_local"] == {"placements": ["R"],
                                   "full": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]}
     assert seen["compile"] == [[2.0, 2.0, 2.0]] * 3
