@@ -83,7 +83,7 @@ def _dtensor_types(t: Any, names: tuple[str, ...]) -> tuple[dict[str, SpmdType] 
 def snapshot(t: torch.Tensor, key: str, kind: str, names: tuple[str, ...], *, module: str | None = None,
              source: Where | None = None) -> Snapshot:
     """Record ``t``: its types on the mesh axes ``names``, its partition-spec dims, every rank's value."""
-    from .._checker.asserts import get_partition_spec, get_type
+    from .._checker.asserts import get_type
 
     snap = Snapshot(key, kind, module=module, source=source)
     if is_dtensor(t):
@@ -96,12 +96,11 @@ def snapshot(t: torch.Tensor, key: str, kind: str, names: tuple[str, ...], *, mo
         snap.why_not = "untyped (give it a type with spmd.assert_type, or type the module's output)"
         return snap
     snap.types = dict(types)  # an axis of one rank may carry no type: its one piece is the whole
-    spec = get_partition_spec(t)
+    spec = getattr(t, "_spmd_spec", None)  # per dim, the names of the axes that shard it
     if spec is not None:
-        for d, entry in enumerate(tuple(spec)):
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                if axis is not None:
-                    snap.dims[axis] = d
+        for d, entry in enumerate(spec):
+            for axis in entry:
+                snap.dims[axis] = d
     return snap
 
 
