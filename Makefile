@@ -1,10 +1,18 @@
 # One command sets up and runs the demonstration; one sets up and runs every test.
 #   make demo    make test
+# Supported torch releases are the ones `make test` runs the suite on: 2.13.0 (.venv, CPU build) and 2.14.1
+# (.venv214, a CUDA build that runs on the CPU; torch 2.14 itself calls this package from FSDP2 and local_map).
 PYTHON ?= python3
 VENV := .venv
+VENV214 := .venv214
 BIN := $(VENV)/bin
+BIN214 := $(VENV214)/bin
+# torchtitan's models and trainer for tests/test_torchtitan.py: --no-deps (it pins spmd_types==0.2.3, our
+# distribution name), plus the small pure-Python modules they import at module level; tokenizers, datasets,
+# tensorboard and triton are stubbed in tests/_torchtitan_support.py
+TORCHTITAN := torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 torchdata==0.11.0
 
-.PHONY: setup demo test lint bench docs
+.PHONY: setup setup214 demo test test213 test214 lint bench docs
 
 setup: $(VENV)/.installed
 
@@ -13,10 +21,17 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,docs]'
-	# torchtitan's models and trainer for tests/test_torchtitan.py: --no-deps (it pins spmd_types==0.2.3, our
-	# distribution name), plus the small pure-Python modules they import at module level; tokenizers,
-	# datasets, tensorboard and triton are stubbed in tests/_torchtitan_support.py
-	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 torchdata==0.11.0
+	$(BIN)/pip install -q --no-deps $(TORCHTITAN)
+	touch $@
+
+setup214: $(VENV214)/.installed
+
+$(VENV214)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV214)
+	$(BIN214)/pip install -q --upgrade pip
+	$(BIN214)/pip install -q torch==2.14.1
+	$(BIN214)/pip install -q -e '.[test]'
+	$(BIN214)/pip install -q --no-deps $(TORCHTITAN)
 	touch $@
 
 demo: setup
@@ -25,7 +40,13 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check spmd_types tests examples benchmarks docs
 
-test: setup lint docs
+# The whole suite on both supported torch releases.
+test: setup setup214 lint docs test214 test213
+
+test214: setup214
+	$(BIN214)/python -m pytest
+
+test213: setup
 	$(BIN)/python -m pytest
 
 # The documentation site, into site/ (a broken link or a public name without a docstring fails it).
