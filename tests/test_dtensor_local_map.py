@@ -37,8 +37,7 @@ def _inputs(mesh):
     return h.detach().requires_grad_(), w.detach().requires_grad_()
 
 
-@pytest.mark.parametrize("typed", [True, False], ids=["typed", "erased"])
-def test_local_map_on_dtensors_gives_dtensors_with_the_declared_placements(typed):
+def test_local_map_on_dtensors_gives_dtensors_with_the_declared_placements():
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     seen = []
 
@@ -49,7 +48,7 @@ def test_local_map_on_dtensors_gives_dtensors_with_the_declared_placements(typed
 
     with LocalTensorMode(4):
         h, w = _inputs(mesh)
-        with spmd.typecheck() if typed else _nothing():
+        with spmd.typecheck():
             out = body(h, w)
         assert isinstance(out, DTensor) and strict(out.placements) == (("Shard", 0), ("Partial", None))
         full = lambda t: rank_values(plain_dtensor(t).full_tensor())[0]  # noqa: E731
@@ -62,10 +61,29 @@ def test_local_map_on_dtensors_gives_dtensors_with_the_declared_placements(typed
         assert strict(w.grad.placements) == (("Partial", None), ("Shard", 0))  # R on dp: a pending sum
         torch.testing.assert_close(full(w.grad), w1.grad)
         torch.testing.assert_close(full(h.grad), h1.grad)
-    if typed:
-        assert seen == [({"dp": S(0), "tp": S(1)}, {"dp": R, "tp": S(0)})]
-    else:
-        assert seen == [(None, None)]
+    assert seen == [({"dp": S(0), "tp": S(1)}, {"dp": R, "tp": S(0)})]
+
+
+@pytest.mark.parametrize("in_types", ["declared", "Infer"])
+def test_outside_typecheck_local_map_passes_dtensors_through(in_types):
+    """Erased, local_map is the function itself: DTensors in, DTensor ops inside (torchtitan's partial_dtensor and
+    full_dtensor backends run its spmd.local_map regions so, with this package installed)."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    seen = []
+
+    def body(h, w):
+        seen.append((isinstance(h, DTensor), isinstance(w, DTensor)))
+        return h @ w
+
+    kwargs = {"in_types": [{"dp": S(0), "tp": S(1)}, {"tp": S(0)}]} if in_types == "declared" else {}
+    mapped = spmd.local_map(body, out_types={"dp": S(0), "tp": P}, **kwargs)
+    with LocalTensorMode(4):
+        h, w = _inputs(mesh)
+        out = mapped(h, w)
+        assert isinstance(out, DTensor) and strict(out.placements) == (("Shard", 0), ("Partial", None))
+        full = lambda t: rank_values(plain_dtensor(t).full_tensor())[0]  # noqa: E731
+        torch.testing.assert_close(full(out), full(h) @ full(w))
+    assert seen == [(True, True)]
 
 
 class _nothing:
@@ -86,7 +104,7 @@ def test_local_map_on_dtensors_checks_in_and_out_types():
         assert info.value.rule == (
             "Type assertion failed: the DTensor is Shard(dim=1) (S(1)) on axis 'tp', and the assertion says R.")
         partial_out = spmd.local_map(_mm, in_types=[None, None], out_types={"tp": P})
-        with pytest.raises(ValueError) as err:
+        with spmd.typecheck(), pytest.raises(ValueError) as err:
             partial_out(h, w)
         assert str(err.value) == (
             "local_map(_mm): output 0 becomes a DTensor, so its out_types must give a type for every mesh dim "
@@ -102,7 +120,7 @@ def test_local_map_on_dtensors_checks_in_and_out_types():
             replicated(h, w)  # per-rank values are not one replicated value
         assert info.value.rule == "local_map: output 0 of _mm is V on axis 'tp', and out_types declares R."
         stacked = spmd.local_map(lambda h: h, in_types=[None], out_types={"dp": V, "tp": V})
-        with pytest.raises(ValueError) as err:
+        with spmd.typecheck(), pytest.raises(ValueError) as err:
             stacked(h)
         assert str(err.value).startswith("type_to_placement: V has no DTensor placement")
 
@@ -113,11 +131,12 @@ def test_local_map_tuple_outputs_and_mixed_meshes():
         h, w = _inputs(mesh)
         pair = spmd.local_map(_pair, in_types=[None, None],
                               out_types=[{"dp": S(0), "tp": S(1)}, None])
-        a, b = pair(h, w)
+        with spmd.typecheck():
+            a, b = pair(h, w)
         assert isinstance(a, DTensor) and strict(a.placements) == (("Shard", 0), ("Shard", 1))
         assert not isinstance(b, DTensor)
         other = spmd.to_dtensor(torch.ones(2), mesh["dp"], [Partial()])
-        with pytest.raises(ValueError) as err:
+        with spmd.typecheck(), pytest.raises(ValueError) as err:
             pair(h, other)
         assert str(err.value) == "local_map(_pair): its DTensor arguments live on different meshes"
 

@@ -73,14 +73,14 @@ def local_map(
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not STATE.checking:  # erased: fn as it is (DTensors included, as torchtitan's DTensor backends run it)
+                return f(*args, **kwargs)
             if any(is_dtensor(a) for a in args):
                 if in_types is Infer:
                     raise NotImplementedError("local_map on DTensor arguments needs in_types (Infer is not built "
                                               "for DTensors): declare one per positional argument")
                 check_positional(f"local_map({f.__qualname__})", args, in_types)
                 return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
-            if not STATE.checking:
-                return f(*args, **kwargs)
             mesh = require_mesh("local_map")
             if in_types is not Infer:
                 args = _enter(f.__qualname__, args, in_types)
