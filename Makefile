@@ -11,6 +11,7 @@ BIN214 := $(VENV214)/bin
 # distribution name), plus the small pure-Python modules they import at module level; tokenizers, datasets,
 # tensorboard and triton are stubbed in tests/_torchtitan_support.py
 TORCHTITAN := torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 torchdata==0.11.0
+TRAINER_DEPS := tokenizers 'datasets>=3.6.0,<4.8.0' tensorboard typeguard
 
 .PHONY: setup setup214 demo test test213 test214 lint bench docs
 
@@ -32,6 +33,8 @@ $(VENV214)/.installed: pyproject.toml
 	$(BIN214)/pip install -q torch==2.14.1
 	$(BIN214)/pip install -q -e '.[test]'
 	$(BIN214)/pip install -q --no-deps $(TORCHTITAN)
+	# what torchtitan's own trainer imports (tests/test_torchtitan_trainer.py runs `torchtitan.train` under torchrun)
+	$(BIN214)/pip install -q $(TRAINER_DEPS)
 	touch $@
 
 demo: setup

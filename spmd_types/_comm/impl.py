@@ -222,14 +222,15 @@ def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, concat_dim: int)
 
 
 def take_slice(x: torch.Tensor, comm: AxisComm, dim: int | None, sizes: Sequence[int] | None) -> torch.Tensor:
-    """This rank's part of a replicated value: ``x[rank]``, or its shard of ``dim``."""
+    """This rank's part of a replicated value: ``x[rank]``, or its shard of ``dim``; contiguous (a shard of a
+    parameter becomes a parameter, and FSDP2 takes contiguous ones only), as the published package gives it."""
     index = group_rank(comm)
     if dim is None:
-        return x.select(0, index)
+        return x.select(0, index).contiguous()
     if sizes is not None:
-        return _per_rank(_take_uneven)(x, index, dim, tuple(sizes))
+        return _per_rank(_take_uneven)(x, index, dim, tuple(sizes)).contiguous()
     k = x.shape[dim] // comm.size
-    return x.narrow(dim, index * k, k)
+    return x.narrow(dim, index * k, k).contiguous()
 
 
 def _take_uneven(x: torch.Tensor, index: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
