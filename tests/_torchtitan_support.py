@@ -37,11 +37,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
-from _torchtitan_shims import load, outside_local_mode, simulated_ranks
+from _torchtitan_models import registry_config
+from _torchtitan_shims import fsdp_skipped, load, outside_local_mode, simulated_ranks
 
 # Tiny problem: seq divisible by tp (sequence parallelism) and by the loss
-# wrapper's chunks; two documents per row so the document mask matters.
+# wrapper's chunks; two documents per row so the document mask matters. Under
+# context parallelism torch's flex-attention sharding needs the sequence to be
+# a multiple of 2 x cp x its 128-token block.
 SEQ_LEN = 16
+CP_SEQ_LEN = 256
 LOCAL_BATCH = 2
 SEED = 1234
 
@@ -52,7 +56,10 @@ SEED = 1234
 
 @dataclass(frozen=True)
 class Case:
-    """One model under one parallelism; ``world`` ranks, data parallel takes what tp leaves."""
+    """One model under one parallelism; ``world`` ranks, ``dp_shard`` takes what the other degrees leave.
+
+    ``dp_replicate`` > 1 is HSDP; ``cp`` > 1 shards the sequence (context parallelism).
+    """
 
     name: str
     model: str
@@ -60,10 +67,17 @@ class Case:
     tp: int
     ep: int = 1
     sp: bool = True
+    dp_replicate: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        """The data-parallel ranks (dp_replicate x dp_shard): the batch is split this many ways."""
+        return self.world // (self.tp * self.cp)
+
+    @property
+    def seq_len(self) -> int:
+        return CP_SEQ_LEN if self.cp > 1 else SEQ_LEN
 
 
 CASES: tuple[Case, ...] = (
@@ -84,64 +98,18 @@ def case(name: str) -> Case:
     raise KeyError(f"no case {name!r}; cases: {[c.name for c in CASES]}")
 
 
-def _registry_config(model: str) -> Any:
-    """torchtitan's own debug-flavour ``Trainer.Config`` for ``model``, with fewer layers and experts."""
-    if model == "llama3":
-        from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-        cfg = llama3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:1]
-    elif model == "qwen3":
-        from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
-
-        cfg = qwen3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:1]
-    elif model == "qwen3_moe":
-        import torchtitan.models.qwen3 as qwen3
-        from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
-
-        cfg = qwen3_moe_debug()
-        mc = cfg.model_spec.model
-        mc.layers = qwen3._build_qwen3_moe_layers(
-            n_layers=1, dim=mc.dim, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=64, num_experts=8,
-            top_k=2, attn_backend="flex", moe_comm_backend="standard", rope=mc.layers[0].attention.rope)
-    elif model == "deepseek_v3":
-        import torchtitan.models.deepseek_v3 as deepseek_v3
-        from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
-
-        cfg = deepseek_v3_debugmodel()
-        mc = cfg.model_spec.model
-        mc.layers = deepseek_v3._build_dsv3_layers(  # one dense layer, one MoE layer
-            n_layers=2, n_dense_layers=1, dim=mc.dim, n_heads=4, q_lora_rank=0, kv_lora_rank=64,
-            qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, mscale=0.70, dense_hidden_dim=128,
-            moe_hidden_dim=64, num_experts=8, num_shared_experts=2, router_top_k=3, router_score_func="softmax",
-            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-            rope=mc.layers[0].attention.rope)
-    elif model == "gpt_oss":
-        import torchtitan.models.gpt_oss as gpt_oss
-        from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel_flex
-
-        cfg = gpt_oss_debugmodel_flex()
-        mc = cfg.model_spec.model
-        mc.layers = gpt_oss._build_gptoss_layers(
-            dim=mc.dim, n_layers=2, hidden_dim=64, num_experts=8, top_k=4, load_balance_coeff=1e-3,
-            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-            rope=mc.layers[0].attention.rope)
-    else:
-        raise KeyError(model)
-    return cfg
-
-
 def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
     """The ``Trainer.Config`` of case ``c``: spmd_types backend, checking on or off, tiny batch."""
     load()
-    cfg = _registry_config(c.model)
+    cfg = registry_config(c.model)
     world = c.world if world is None else world
     p = cfg.parallelism
     p.spmd_backend = "spmd_types"
     p.tensor_parallel_degree = c.tp if world > 1 else 1
     p.expert_parallel_degree = c.ep if world > 1 else 1
     p.enable_sequence_parallel = c.sp
+    p.data_parallel_replicate_degree = c.dp_replicate if world > 1 else 1
+    p.context_parallel_degree = c.cp if world > 1 else 1
     p.data_parallel_shard_degree = -1
     cfg.debug.spmd_typechecking = checking
     # what torchtitan's own spmd_types test recipes do when checking is on
@@ -149,7 +117,7 @@ def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
     cfg.compile.enable = False
     cfg.loss.num_chunks = 2  # the chunked loss's per-chunk backward, twice rather than eight times
     t = cfg.training
-    t.seq_len, t.local_batch_size = SEQ_LEN, LOCAL_BATCH
+    t.seq_len, t.local_batch_size = c.seq_len, LOCAL_BATCH
     t.disable_cuda_graphs = True
     t.dtype = t.mixed_precision_param = "float32"
     return cfg
@@ -245,18 +213,23 @@ def _same_on_ranks(value: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def environment(env: str, world: int) -> Iterator[None]:
-    """A fake process group of ``world`` ranks; ``env="local"`` also simulates every rank (``LocalTensorMode``)."""
+    """A fake process group of ``world`` ranks; ``env="local"`` also simulates every rank (``LocalTensorMode``,
+    ``fully_shard`` left out); ``env="gloo"`` runs in the gloo process group this worker already joined."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if env not in ("fake", "local"):
-        raise ValueError(f"env must be 'fake' or 'local', got {env!r}")
+    if env not in ("fake", "local", "gloo"):
+        raise ValueError(f"env must be 'fake', 'local' or 'gloo', got {env!r}")
     load()
     from torchtitan.distributed.spmd_types import set_spmd_meshes
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    if env == "gloo":
+        if dist.get_world_size() != world:
+            raise ValueError(f"gloo world is {dist.get_world_size()} ranks, the case needs {world}")
+    else:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     threaded = torch.autograd.is_multithreading_enabled()
     # torchtitan's init_distributed does this: autograd on one thread keeps the
     # thread-local current mesh visible in backward
@@ -264,22 +237,30 @@ def environment(env: str, world: int) -> Iterator[None]:
     try:
         with contextlib.ExitStack() as stack:
             if env == "local":
+                stack.enter_context(fsdp_skipped())
                 stack.enter_context(simulated_ranks(world))
             yield
     finally:
         torch.autograd.set_multithreading_enabled(threaded)
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
-        if dist.is_initialized():
+        if env != "gloo" and dist.is_initialized():
             dist.destroy_process_group()
+            # DTensor's sharding cache keys on meshes by value: the next fake world's equal meshes would get this
+            # world's mesh objects back, and FSDP checks its parameters' mesh by identity
+            from torch.distributed.tensor import DTensor
+
+            propagator = DTensor._op_dispatcher.sharding_propagator
+            propagator.propagate_op_sharding.cache_clear()
+            propagator._propagate_tensor_meta_cached.cache_clear()
 
 
-def global_batch(vocab: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_batch(vocab: int, rows: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels and positions for ``rows`` sequences; every row holds the same two documents."""
     g = torch.Generator().manual_seed(SEED + 1)
-    tokens = torch.randint(0, vocab, (rows, SEQ_LEN), generator=g)
-    labels = torch.randint(0, vocab, (rows, SEQ_LEN), generator=g)
-    half = SEQ_LEN // 2
-    positions = torch.cat([torch.arange(half), torch.arange(SEQ_LEN - half)]).repeat(rows, 1)
+    tokens = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    labels = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    half = seq_len // 2
+    positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).repeat(rows, 1)
     return tokens, labels, positions
 
 
@@ -294,8 +275,10 @@ def _dp_rows(b: Built) -> Callable[[int], slice]:
 
 
 def _per_rank(global_tensor: torch.Tensor, rows: Callable[[int], slice], env: str) -> torch.Tensor:
-    if env == "fake":
-        return global_tensor[rows(0)].clone()
+    if env != "local":  # this process's rank (0 on the fake group)
+        import torch.distributed as dist
+
+        return global_tensor[rows(dist.get_rank() if dist.is_initialized() else 0)].clone()
     from torch.distributed._local_tensor import local_tensor_mode, rank_map
 
     with outside_local_mode():
@@ -307,7 +290,9 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
     """The trainer's step for one microbatch of a ``global_rows``-row batch; returns the loss.
 
     Each rank reads its data-parallel share of the rows (``LOCAL_BATCH`` rows
-    per dp rank); inputs are annotated, then forward, loss and backward.
+    per dp rank); with context parallelism torchtitan's
+    ``prepare_context_parallel_input`` shards them (and the masks) by sequence;
+    inputs are annotated, then forward, loss and backward.
 
     Mirrors ``Trainer.train_step`` / ``post_dataloading_process`` and runs
     torchtitan's own ``Trainer._forward_backward_body`` (forward and loss in
@@ -321,7 +306,7 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
     cfg, pd = b.config, b.parallel_dims
     vocab = cfg.model_spec.model.vocab_size
     with outside_local_mode():  # one plain global batch, not one per simulated rank
-        tokens, labels, positions = global_batch(vocab, global_rows)
+        tokens, labels, positions = global_batch(vocab, global_rows, cfg.training.seq_len)
     rows = _dp_rows(b) if pd.world_size > 1 else (lambda r: slice(None))
     inputs, labels = _per_rank(tokens, rows, env), _per_rank(labels, rows, env)
     positions = positions[rows(0)].clone()  # the same on every rank: one plain tensor
@@ -330,6 +315,13 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
     extra = {"positions": positions, "attention_masks": masks}
     local_valid = (labels != IGNORE_INDEX).sum()
     global_valid = dist_utils.dist_sum_tensor(local_valid, pd.get_mesh("batch")) if pd.dp_enabled else local_valid
+    if pd.cp_enabled:
+        from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+        p = cfg.parallelism
+        inputs, labels, extra = prepare_context_parallel_input(
+            inputs, labels, extra, pd.get_mesh("cp"), torch.device("cpu"), p.context_parallel_load_balancer,
+            p.context_parallel_ptrr_mask_key)
     inputs, labels, extra = annotate_input_spmd_types(pd, inputs, labels, extra)
     train_context = dist_utils.get_spmd_context(
         parallel_dims=pd,
