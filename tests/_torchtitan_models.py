@@ -18,6 +18,8 @@ from typing import Any
 # Decoder models (text in, next-token loss out), and which of them route tokens to experts.
 DECODERS = ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k2_7", "muse_glimmer")
 MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k2_7")
+# parameters a text-only step leaves without a gradient, by the prefix of their names
+UNUSED = {"kimi_k2_7": ("vision_encoder.",)}
 
 
 def registry_config(model: str) -> Any:
@@ -69,8 +71,8 @@ def registry_config(model: str) -> Any:
         cfg = kimi_k2_5_debugmodel()
         mc = cfg.model_spec.model
         mc.layers = mc.layers[:2]  # its dense layer and its first MoE layer (MLA attention in both)
-        # Text batches only: the MoonViT tower runs on images, which the harness does not make.
-        mc.vision_encoder = None
+        # The MoonViT tower stays (its sharding config shapes the decoder's under SP); the harness's batches are
+        # text only, so the tower's parameters get no gradient (UNUSED)
     elif model == "muse_glimmer":
         from torchtitan.models.muse_glimmer.config_registry import muse_glimmer_debugmodel
 
