@@ -357,8 +357,13 @@ class Step:
 
 
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
-    """``{rank: plain tensor}``: every simulated rank's value of a LocalTensor, or rank 0's of a plain one."""
+    """``{rank: plain tensor}``: every simulated rank's value of a LocalTensor, or rank 0's of a plain one (of an
+    FSDP parameter's DTensor, rank 0's shard)."""
     from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
 
     with outside_local_mode(), torch._C.DisableTorchFunctionSubclass():
         if isinstance(t, LocalTensor):
@@ -367,18 +372,21 @@ def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
 
 
 def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], ContextManager] | None = None,
-        one_device: bool = False) -> Step:
+        one_device: bool = False, inspect: Callable[[Built], None] | None = None) -> Step:
     """One training step of case ``c`` on ``c.world`` ranks in ``env`` ("fake" or "local").
 
     ``mistake`` (a context manager factory, see :data:`MISTAKES`) is entered
     around building, so the sharding configs torchtitan sets carry the planted
     change. ``one_device`` (simulated ranks only) also reassembles weights,
     gradients and loss into their one-device values (the ``global_*`` fields).
+    ``inspect`` is called with the built model before the step.
     """
     if one_device and env != "local":
         raise ValueError("one_device needs the simulated ranks (env='local')")
     with environment(env, c.world), (mistake() if mistake is not None else contextlib.nullcontext()):
         b = build(c, checking=checking, world=c.world, simulated=env == "local")
+        if inspect is not None:
+            inspect(b)
         loss = train_step(b, env, c.dp * LOCAL_BATCH)
         params = dict(b.model.named_parameters())
         missing = [n for n, p in params.items() if p.requires_grad and p.grad is None and not unused(c, n)]
