@@ -139,7 +139,7 @@ class Mistake:
     lines: tuple[str, ...]
 
 
-_FSDP, _HSDP, _CP = "llama3 fsdp4 x tp2 (SP)", "llama3 hsdp2x2 x tp2", "llama3 fsdp2 x cp2 x tp2"
+_FSDP, _HSDP, _CP = "llama3 fsdp4 x tp2", "llama3 hsdp2x2 x tp2", "llama3 fsdp2 x cp2 x tp2"
 _TP_ONLY = "llama3 tp4 (no SP)"  # dp = 1: FSDP shards over one rank, and a dp type is dropped with the axis
 _EP_ONE_EFSDP = tt.Case("qwen3_moe fsdp2 x ep2", "qwen3_moe", world=2, tp=1, ep=2)  # efsdp = 2 x 1 / 2 = 1
 

@@ -66,7 +66,8 @@ def _module_getattr(name: str) -> Any:
 
 
 def _stub_modules() -> dict[str, types.ModuleType]:
-    """tokenizers, datasets (HF), tensorboard (through torch's wrapper), triton, and where absent torchvision and einops."""
+    """tokenizers, datasets (HF), tensorboard (through torch's wrapper), triton, and where absent torchvision, PIL
+    and einops."""
     def mod(name: str, **attrs: Any) -> types.ModuleType:
         m = types.ModuleType(name)
         m.__dict__.update(attrs)
@@ -82,6 +83,8 @@ def _stub_modules() -> dict[str, types.ModuleType]:
     vision = {name: mod(name, __path__=[]) for name in (
         "torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.v2")}
     vision["torchvision.transforms.v2.functional"] = mod("torchvision.transforms.v2.functional")
+    pil_image = mod("PIL.Image", Image=_Unavailable)
+    vision.update({"PIL": mod("PIL", Image=pil_image, __path__=[]), "PIL.Image": pil_image})
     einops = {"einops": mod("einops", rearrange=_Unavailable, repeat=_Unavailable)}
     return {
         **{k: v for k, v in {**vision, **einops}.items() if importlib.util.find_spec(k.split(".")[0]) is None},
