@@ -406,9 +406,12 @@ def run_one_device(c: Case, weights: dict[str, torch.Tensor]) -> Step:
     """The same model on one device (world 1, checking off, no FSDP), from ``weights`` (one global tensor per parameter)."""
     with environment("fake", 1), fsdp_skipped():
         b = build(c, checking=False, world=1)
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
             for name, p in b.model.named_parameters():
-                p.copy_(weights[name])
+                # a vision tower is still FSDP-wrapped, on a one-rank mesh: its local tensor is the whole
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(weights[name])
         loss = train_step(b, "fake", c.dp * LOCAL_BATCH)
         return Step(rank_values(loss),
                     {n: rank_values(p.grad) for n, p in b.model.named_parameters() if p.grad is not None})
