@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import _torchtitan_fsdp as F
+import _torchtitan_mistakes as tm
 import _torchtitan_support as tt
 
 
@@ -35,7 +36,7 @@ def norm_weight_varying_on_dp() -> ContextManager:
             return cfg
         return norm_config
 
-    return tt._patched("torchtitan.models.llama3.sharding", "norm_config", replace)
+    return tm._patched("torchtitan.models.llama3.sharding", "norm_config", replace)
 
 
 def embedding_invariant_on_dp() -> ContextManager:
@@ -50,7 +51,7 @@ def embedding_invariant_on_dp() -> ContextManager:
                                                                                       tp=spmd.S(0))
         return set_decoder_sharding_config
 
-    return tt._patched("torchtitan.models.llama3.sharding", "set_decoder_sharding_config", replace)
+    return tm._patched("torchtitan.models.llama3.sharding", "set_decoder_sharding_config", replace)
 
 
 def experts_varying_on_efsdp() -> ContextManager:
@@ -62,7 +63,7 @@ def experts_varying_on_efsdp() -> ContextManager:
             return _layout(dp_replicate=spmd.R, efsdp=spmd.V, ep=spmd.S(0))
         return expert_param_placement_sparse
 
-    return tt._patched("torchtitan.models.common.moe_sharding", "expert_param_placement_sparse", replace)
+    return tm._patched("torchtitan.models.common.moe_sharding", "expert_param_placement_sparse", replace)
 
 
 def _input_types(**changes: dict) -> ContextManager:
@@ -88,7 +89,7 @@ def _input_types(**changes: dict) -> ContextManager:
             return inputs, labels, extra_kwargs
         return annotate_input_spmd_types
 
-    return tt._patched("torchtitan.distributed.spmd_types", "annotate_input_spmd_types", replace)
+    return tm._patched("torchtitan.distributed.spmd_types", "annotate_input_spmd_types", replace)
 
 
 def positions_replicated_on_cp() -> ContextManager:
@@ -119,7 +120,7 @@ def rope_cache_sharded_on_cp() -> ContextManager:
             attention_cfg.rope.sharding_config = ShardingConfig(state_shardings={"cache": cache})
         return set_gqa_attention_sharding
 
-    return tt._patched("torchtitan.models.llama3.sharding", "set_gqa_attention_sharding", replace)
+    return tm._patched("torchtitan.models.llama3.sharding", "set_gqa_attention_sharding", replace)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ pytest.importorskip("torchtitan")
 import _fsdp_spmd  # noqa: E402
 import _torchtitan_fsdp as F  # noqa: E402
 import _torchtitan_fsdp_mistakes as M  # noqa: E402
+import _torchtitan_mistakes as tm  # noqa: E402
 import _torchtitan_support as tt  # noqa: E402
 import torch  # noqa: E402
 from _torchtitan_shims import fsdp_reads_spmd_types, load  # noqa: E402
@@ -107,7 +108,7 @@ def test_muse_glimmer_text_model_under_tp_fails_its_own_assertion(sp, have):
         tt.run(c, "fake")
     assert str(info.value).splitlines()[0] == (f"Type assertion failed: the tensor is {have} on axis 'tp', and the "
                                                "assertion says R.")
-    assert tt.torchtitan_frames(info.value)[-1] == "models/muse_glimmer/model.py:525"
+    assert tm.torchtitan_frames(info.value)[-1] == "models/muse_glimmer/model.py:525"
 
 
 @on_214
@@ -117,7 +118,7 @@ def test_kimi_k2_7_refuses_context_parallelism():
         tt.run(c, "fake")
     assert str(info.value) == ("Context Parallel is not yet supported for Kimi K2.5: vision scatter needs the full "
                                "sequence before CP would shard it.")
-    assert tt.torchtitan_frames(info.value)[-1] == "models/kimi_k2_7/parallelize.py:62"
+    assert tm.torchtitan_frames(info.value)[-1] == "models/kimi_k2_7/parallelize.py:62"
 
 
 # ---------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def test_planted_mistake_is_caught_at_the_torchtitan_line(name):
     kind, first_line = m.error
     assert isinstance(exc, kind), f"{m.name}: expected {kind.__name__}, got {exc!r}"
     assert str(exc).splitlines()[0] == first_line
-    frames = tt.torchtitan_frames(exc)
+    frames = tm.torchtitan_frames(exc)
     for line in m.lines:
         assert line in frames, f"{m.name}: the error does not point at {line}; torchtitan frames {frames}"
 
