@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import math
 import sys
 import types
@@ -20,7 +21,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")
+MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "kimi_k2_7", "muse_glimmer")
 
 
 # ---------------------------------------------------------------------------
@@ -65,7 +66,8 @@ def _module_getattr(name: str) -> Any:
 
 
 def _stub_modules() -> dict[str, types.ModuleType]:
-    """tokenizers, datasets (HF), tensorboard (through torch's wrapper) and triton."""
+    """tokenizers, datasets (HF), tensorboard (through torch's wrapper), triton, and where absent torchvision, PIL
+    and einops."""
     def mod(name: str, **attrs: Any) -> types.ModuleType:
         m = types.ModuleType(name)
         m.__dict__.update(attrs)
@@ -76,7 +78,16 @@ def _stub_modules() -> dict[str, types.ModuleType]:
     triton_language.__getattr__ = _module_getattr  # type: ignore[attr-defined]
     triton = mod("triton", language=triton_language, jit=_TritonStub(), __version__="0.0", __path__=[])
     triton.__getattr__ = _module_getattr  # type: ignore[attr-defined]
+    # the multimodal data pipeline's image and video helpers (kimi_k2_7's and muse_glimmer's config registries
+    # import it); the models' own code does not use them
+    vision = {name: mod(name, __path__=[]) for name in (
+        "torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.v2")}
+    vision["torchvision.transforms.v2.functional"] = mod("torchvision.transforms.v2.functional")
+    pil_image = mod("PIL.Image", Image=_Unavailable)
+    vision.update({"PIL": mod("PIL", Image=pil_image, __path__=[]), "PIL.Image": pil_image})
+    einops = {"einops": mod("einops", rearrange=_Unavailable, repeat=_Unavailable)}
     return {
+        **{k: v for k, v in {**vision, **einops}.items() if importlib.util.find_spec(k.split(".")[0]) is None},
         "tokenizers": mod("tokenizers", AddedToken=_Unavailable, Tokenizer=_Unavailable),
         "datasets": datasets,
         "datasets.distributed": mod("datasets.distributed", split_dataset_by_node=_Unavailable),
@@ -121,9 +132,11 @@ def load() -> Any:
       flex attention has no backward on CPU, and torchtitan compiles it;
     * the block mask is made eagerly (torchtitan compiles ``create_block_mask``);
     * the experts' grouped matmul runs in float32 (:func:`cpu_grouped_mm`);
-    * ``fully_shard`` is not applied (:func:`skip_fsdp`): torch 2.13's FSDP
-      rejects plain parameters that carry spmd types when ``dp_mesh_dims`` is
-      given; the reduction FSDP would do is done when gradients are reassembled.
+    * on torch 2.13 only, ``fully_shard`` is not applied (:func:`skip_fsdp`):
+      its FSDP rejects plain parameters that carry spmd types when
+      ``dp_mesh_dims`` is given; the reduction FSDP would do is done when
+      gradients are reassembled. torch 2.14 reads the types, and FSDP is applied
+      (except on simulated ranks, :func:`fsdp_skipped`).
     """
     if "torchtitan" in _LOADED:
         return _LOADED["torchtitan"]
@@ -153,11 +166,43 @@ def _install_cpu_shims() -> None:
     attention.FlexAttention._compiled_flex_attn = staticmethod(cpu_flex_attention)
     attention._compiled_create_block_mask = create_block_mask
     moe.GroupedExperts._grouped_mm = cpu_grouped_mm
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    if not fsdp_reads_spmd_types():
+        _set_fsdp(skip_fsdp)
 
+
+def fsdp_reads_spmd_types() -> bool:
+    """Whether this torch's FSDP2 builds its storage from spmd types (torch 2.14 on)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return hasattr(FSDPParam, "_restore_spmd_types")
+
+
+def _set_fsdp(fn: Callable) -> Callable:
+    """Make ``fn`` the ``apply_fsdp_to_decoder`` every loaded model's parallelize calls; returns the one it replaced."""
+    from torchtitan.distributed import fsdp
+
+    current = sys.modules["torchtitan.models.llama3.parallelize"].apply_fsdp_to_decoder
     for name, module in list(sys.modules.items()):
-        if name.startswith("torchtitan.models.") and getattr(module, "apply_fsdp_to_decoder", None) is apply_fsdp_to_decoder:
-            module.apply_fsdp_to_decoder = skip_fsdp
+        if name.startswith("torchtitan.models.") and getattr(module, "apply_fsdp_to_decoder", None) in (
+                fsdp.apply_fsdp_to_decoder, skip_fsdp):
+            module.apply_fsdp_to_decoder = fn
+    return current
+
+
+@contextlib.contextmanager
+def fsdp_skipped() -> Iterator[None]:
+    """``fully_shard`` left out inside the block (:func:`skip_fsdp`): FSDP2 cannot run on simulated ranks.
+
+    Under ``LocalTensorMode`` FSDP's first all-gather fails to resize its
+    storage (``tests/test_torchtitan_fsdp.py`` pins the error), so the simulated
+    ranks run torchtitan's step without it, on torch 2.14 as on 2.13.
+    """
+    load()
+    previous = _set_fsdp(skip_fsdp)
+    try:
+        yield
+    finally:
+        _set_fsdp(previous)
 
 
 def cpu_grouped_mm(self: Any, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

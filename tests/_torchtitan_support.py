@@ -30,18 +30,21 @@ are stubbed while torchtitan is imported, then removed again.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import itertools
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
-from _torchtitan_shims import load, outside_local_mode, simulated_ranks
+from _torchtitan_models import UNUSED, registry_config
+from _torchtitan_shims import fsdp_skipped, load, outside_local_mode, simulated_ranks
 
 # Tiny problem: seq divisible by tp (sequence parallelism) and by the loss
-# wrapper's chunks; two documents per row so the document mask matters.
+# wrapper's chunks; two documents per row so the document mask matters. Under
+# context parallelism torch's flex-attention sharding needs the sequence to be
+# a multiple of 2 x cp x its 128-token block.
 SEQ_LEN = 16
+CP_SEQ_LEN = 256
 LOCAL_BATCH = 2
 SEED = 1234
 
@@ -52,7 +55,10 @@ SEED = 1234
 
 @dataclass(frozen=True)
 class Case:
-    """One model under one parallelism; ``world`` ranks, data parallel takes what tp leaves."""
+    """One model under one parallelism; ``world`` ranks, ``dp_shard`` takes what the other degrees leave.
+
+    ``dp_replicate`` > 1 is HSDP; ``cp`` > 1 shards the sequence (context parallelism).
+    """
 
     name: str
     model: str
@@ -60,10 +66,17 @@ class Case:
     tp: int
     ep: int = 1
     sp: bool = True
+    dp_replicate: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        """The data-parallel ranks (dp_replicate x dp_shard): the batch is split this many ways."""
+        return self.world // (self.tp * self.cp)
+
+    @property
+    def seq_len(self) -> int:
+        return CP_SEQ_LEN if self.cp > 1 else SEQ_LEN
 
 
 CASES: tuple[Case, ...] = (
@@ -76,6 +89,11 @@ CASES: tuple[Case, ...] = (
 )
 
 
+def unused(c: Case, param: str) -> bool:
+    """Whether a text-only step of ``c`` leaves ``param`` without a gradient by design (a vision tower)."""
+    return param.startswith(UNUSED.get(c.model, ()))
+
+
 def case(name: str) -> Case:
     """The case called ``name`` (see :data:`CASES`)."""
     for c in CASES:
@@ -84,64 +102,18 @@ def case(name: str) -> Case:
     raise KeyError(f"no case {name!r}; cases: {[c.name for c in CASES]}")
 
 
-def _registry_config(model: str) -> Any:
-    """torchtitan's own debug-flavour ``Trainer.Config`` for ``model``, with fewer layers and experts."""
-    if model == "llama3":
-        from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-        cfg = llama3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:1]
-    elif model == "qwen3":
-        from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
-
-        cfg = qwen3_debugmodel()
-        cfg.model_spec.model.layers = cfg.model_spec.model.layers[:1]
-    elif model == "qwen3_moe":
-        import torchtitan.models.qwen3 as qwen3
-        from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
-
-        cfg = qwen3_moe_debug()
-        mc = cfg.model_spec.model
-        mc.layers = qwen3._build_qwen3_moe_layers(
-            n_layers=1, dim=mc.dim, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=64, num_experts=8,
-            top_k=2, attn_backend="flex", moe_comm_backend="standard", rope=mc.layers[0].attention.rope)
-    elif model == "deepseek_v3":
-        import torchtitan.models.deepseek_v3 as deepseek_v3
-        from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
-
-        cfg = deepseek_v3_debugmodel()
-        mc = cfg.model_spec.model
-        mc.layers = deepseek_v3._build_dsv3_layers(  # one dense layer, one MoE layer
-            n_layers=2, n_dense_layers=1, dim=mc.dim, n_heads=4, q_lora_rank=0, kv_lora_rank=64,
-            qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, mscale=0.70, dense_hidden_dim=128,
-            moe_hidden_dim=64, num_experts=8, num_shared_experts=2, router_top_k=3, router_score_func="softmax",
-            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-            rope=mc.layers[0].attention.rope)
-    elif model == "gpt_oss":
-        import torchtitan.models.gpt_oss as gpt_oss
-        from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel_flex
-
-        cfg = gpt_oss_debugmodel_flex()
-        mc = cfg.model_spec.model
-        mc.layers = gpt_oss._build_gptoss_layers(
-            dim=mc.dim, n_layers=2, hidden_dim=64, num_experts=8, top_k=4, load_balance_coeff=1e-3,
-            attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
-            rope=mc.layers[0].attention.rope)
-    else:
-        raise KeyError(model)
-    return cfg
-
-
 def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
     """The ``Trainer.Config`` of case ``c``: spmd_types backend, checking on or off, tiny batch."""
     load()
-    cfg = _registry_config(c.model)
+    cfg = registry_config(c.model)
     world = c.world if world is None else world
     p = cfg.parallelism
     p.spmd_backend = "spmd_types"
     p.tensor_parallel_degree = c.tp if world > 1 else 1
     p.expert_parallel_degree = c.ep if world > 1 else 1
     p.enable_sequence_parallel = c.sp
+    p.data_parallel_replicate_degree = c.dp_replicate if world > 1 else 1
+    p.context_parallel_degree = c.cp if world > 1 else 1
     p.data_parallel_shard_degree = -1
     cfg.debug.spmd_typechecking = checking
     # what torchtitan's own spmd_types test recipes do when checking is on
@@ -149,7 +121,7 @@ def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
     cfg.compile.enable = False
     cfg.loss.num_chunks = 2  # the chunked loss's per-chunk backward, twice rather than eight times
     t = cfg.training
-    t.seq_len, t.local_batch_size = SEQ_LEN, LOCAL_BATCH
+    t.seq_len, t.local_batch_size = c.seq_len, LOCAL_BATCH
     t.disable_cuda_graphs = True
     t.dtype = t.mixed_precision_param = "float32"
     return cfg
@@ -245,18 +217,23 @@ def _same_on_ranks(value: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def environment(env: str, world: int) -> Iterator[None]:
-    """A fake process group of ``world`` ranks; ``env="local"`` also simulates every rank (``LocalTensorMode``)."""
+    """A fake process group of ``world`` ranks; ``env="local"`` also simulates every rank (``LocalTensorMode``,
+    ``fully_shard`` left out); ``env="gloo"`` runs in the gloo process group this worker already joined."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if env not in ("fake", "local"):
-        raise ValueError(f"env must be 'fake' or 'local', got {env!r}")
+    if env not in ("fake", "local", "gloo"):
+        raise ValueError(f"env must be 'fake', 'local' or 'gloo', got {env!r}")
     load()
     from torchtitan.distributed.spmd_types import set_spmd_meshes
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    if env == "gloo":
+        if dist.get_world_size() != world:
+            raise ValueError(f"gloo world is {dist.get_world_size()} ranks, the case needs {world}")
+    else:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     threaded = torch.autograd.is_multithreading_enabled()
     # torchtitan's init_distributed does this: autograd on one thread keeps the
     # thread-local current mesh visible in backward
@@ -264,22 +241,28 @@ def environment(env: str, world: int) -> Iterator[None]:
     try:
         with contextlib.ExitStack() as stack:
             if env == "local":
+                stack.enter_context(fsdp_skipped())
                 stack.enter_context(simulated_ranks(world))
             yield
     finally:
         torch.autograd.set_multithreading_enabled(threaded)
         set_spmd_meshes(dense_mesh=None, sparse_mesh=None)
-        if dist.is_initialized():
+        if env != "gloo" and dist.is_initialized():
             dist.destroy_process_group()
+        # DTensor's sharding caches key on meshes by value: the next run's equal meshes would get this run's mesh
+        # objects back, and FSDP checks its parameters' mesh by identity
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
-def global_batch(vocab: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_batch(vocab: int, rows: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels and positions for ``rows`` sequences; every row holds the same two documents."""
     g = torch.Generator().manual_seed(SEED + 1)
-    tokens = torch.randint(0, vocab, (rows, SEQ_LEN), generator=g)
-    labels = torch.randint(0, vocab, (rows, SEQ_LEN), generator=g)
-    half = SEQ_LEN // 2
-    positions = torch.cat([torch.arange(half), torch.arange(SEQ_LEN - half)]).repeat(rows, 1)
+    tokens = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    labels = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    half = seq_len // 2
+    positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).repeat(rows, 1)
     return tokens, labels, positions
 
 
@@ -294,8 +277,10 @@ def _dp_rows(b: Built) -> Callable[[int], slice]:
 
 
 def _per_rank(global_tensor: torch.Tensor, rows: Callable[[int], slice], env: str) -> torch.Tensor:
-    if env == "fake":
-        return global_tensor[rows(0)].clone()
+    if env != "local":  # this process's rank (0 on the fake group)
+        import torch.distributed as dist
+
+        return global_tensor[rows(dist.get_rank() if dist.is_initialized() else 0)].clone()
     from torch.distributed._local_tensor import local_tensor_mode, rank_map
 
     with outside_local_mode():
@@ -307,7 +292,9 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
     """The trainer's step for one microbatch of a ``global_rows``-row batch; returns the loss.
 
     Each rank reads its data-parallel share of the rows (``LOCAL_BATCH`` rows
-    per dp rank); inputs are annotated, then forward, loss and backward.
+    per dp rank); with context parallelism torchtitan's
+    ``prepare_context_parallel_input`` shards them (and the masks) by sequence;
+    inputs are annotated, then forward, loss and backward.
 
     Mirrors ``Trainer.train_step`` / ``post_dataloading_process`` and runs
     torchtitan's own ``Trainer._forward_backward_body`` (forward and loss in
@@ -321,7 +308,7 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
     cfg, pd = b.config, b.parallel_dims
     vocab = cfg.model_spec.model.vocab_size
     with outside_local_mode():  # one plain global batch, not one per simulated rank
-        tokens, labels, positions = global_batch(vocab, global_rows)
+        tokens, labels, positions = global_batch(vocab, global_rows, cfg.training.seq_len)
     rows = _dp_rows(b) if pd.world_size > 1 else (lambda r: slice(None))
     inputs, labels = _per_rank(tokens, rows, env), _per_rank(labels, rows, env)
     positions = positions[rows(0)].clone()  # the same on every rank: one plain tensor
@@ -330,6 +317,13 @@ def train_step(b: Built, env: str, global_rows: int) -> torch.Tensor:
     extra = {"positions": positions, "attention_masks": masks}
     local_valid = (labels != IGNORE_INDEX).sum()
     global_valid = dist_utils.dist_sum_tensor(local_valid, pd.get_mesh("batch")) if pd.dp_enabled else local_valid
+    if pd.cp_enabled:
+        from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+
+        p = cfg.parallelism
+        inputs, labels, extra = prepare_context_parallel_input(
+            inputs, labels, extra, pd.get_mesh("cp"), torch.device("cpu"), p.context_parallel_load_balancer,
+            p.context_parallel_ptrr_mask_key)
     inputs, labels, extra = annotate_input_spmd_types(pd, inputs, labels, extra)
     train_context = dist_utils.get_spmd_context(
         parallel_dims=pd,
@@ -362,8 +356,13 @@ class Step:
 
 
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
-    """``{rank: plain tensor}``: every simulated rank's value of a LocalTensor, or rank 0's of a plain one."""
+    """``{rank: plain tensor}``: every simulated rank's value of a LocalTensor, or rank 0's of a plain one (of an
+    FSDP parameter's DTensor, rank 0's shard)."""
     from torch.distributed._local_tensor import LocalTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.to_local()
 
     with outside_local_mode(), torch._C.DisableTorchFunctionSubclass():
         if isinstance(t, LocalTensor):
@@ -372,24 +371,27 @@ def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
 
 
 def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], ContextManager] | None = None,
-        one_device: bool = False) -> Step:
+        one_device: bool = False, inspect: Callable[[Built], None] | None = None) -> Step:
     """One training step of case ``c`` on ``c.world`` ranks in ``env`` ("fake" or "local").
 
-    ``mistake`` (a context manager factory, see :data:`MISTAKES`) is entered
+    ``mistake`` (a context manager factory, see ``_torchtitan_mistakes``) is entered
     around building, so the sharding configs torchtitan sets carry the planted
     change. ``one_device`` (simulated ranks only) also reassembles weights,
     gradients and loss into their one-device values (the ``global_*`` fields).
+    ``inspect`` is called with the built model before the step.
     """
     if one_device and env != "local":
         raise ValueError("one_device needs the simulated ranks (env='local')")
     with environment(env, c.world), (mistake() if mistake is not None else contextlib.nullcontext()):
         b = build(c, checking=checking, world=c.world, simulated=env == "local")
+        if inspect is not None:
+            inspect(b)
         loss = train_step(b, env, c.dp * LOCAL_BATCH)
         params = dict(b.model.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and p.grad is None]
+        missing = [n for n, p in params.items() if p.requires_grad and p.grad is None and not unused(c, n)]
         if missing:
             raise AssertionError(f"{c.name}: parameters without a gradient: {missing}")
-        step = Step(rank_values(loss), {n: rank_values(p.grad) for n, p in params.items()})
+        step = Step(rank_values(loss), {n: rank_values(p.grad) for n, p in params.items() if p.grad is not None})
         if one_device:
             layouts = state_layouts(b.model)
             step.global_weights = reassemble(b, {n: p.detach() for n, p in params.items()}, layouts)
@@ -400,14 +402,18 @@ def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], Conte
 
 
 def run_one_device(c: Case, weights: dict[str, torch.Tensor]) -> Step:
-    """The same model on one device (world 1, checking off), from ``weights`` (one global tensor per parameter)."""
-    with environment("fake", 1):
+    """The same model on one device (world 1, checking off, no FSDP), from ``weights`` (one global tensor per parameter)."""
+    with environment("fake", 1), fsdp_skipped():
         b = build(c, checking=False, world=1)
+        from torch.distributed.tensor import DTensor
+
         with torch.no_grad():
             for name, p in b.model.named_parameters():
-                p.copy_(weights[name])
+                # a vision tower is still FSDP-wrapped, on a one-rank mesh: its local tensor is the whole
+                (p.to_local() if isinstance(p, DTensor) else p).copy_(weights[name])
         loss = train_step(b, "fake", c.dp * LOCAL_BATCH)
-        return Step(rank_values(loss), {n: rank_values(p.grad) for n, p in b.model.named_parameters()})
+        return Step(rank_values(loss),
+                    {n: rank_values(p.grad) for n, p in b.model.named_parameters() if p.grad is not None})
 
 
 def state_layouts(model: torch.nn.Module) -> dict[str, Any]:
@@ -457,175 +463,3 @@ def max_abs_diff(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor] | torch.
             raise AssertionError(f"rank {r}: shape {tuple(value.shape)} vs {tuple(other.shape)}")
         worst = max(worst, float((value.double() - other.double()).abs().max()) if value.numel() else 0.0)
     return worst
-
-
-# ---------------------------------------------------------------------------
-# Planted sharding-config mistakes: one-line changes to torchtitan's configs, by monkeypatching
-
-
-@contextlib.contextmanager
-def _patched(module_name: str, attr: str, replacement: Callable[[Callable], Callable]) -> Iterator[None]:
-    """``module.attr = replacement(original)`` inside the block."""
-    module = importlib.import_module(module_name)
-    original = getattr(module, attr)
-    setattr(module, attr, replacement(original))
-    try:
-        yield
-    finally:
-        setattr(module, attr, original)
-
-
-def _layout(**types_by_axis: Any) -> Any:
-    from torchtitan.distributed.parallel_dims import MeshAxisName, SpmdLayout
-
-    return SpmdLayout({MeshAxisName(a): t for a, t in types_by_axis.items()})
-
-
-def norm_weight_invariant_under_sp() -> ContextManager:
-    """``norm_config``: the norm weight is ``I`` on tp under sequence parallelism (it must be ``R``:
-    its gradient is partial over the sequence shards)."""
-    import spmd_types as spmd
-
-    def replace(original: Callable) -> Callable:
-        def norm_config(*, enable_sp: bool) -> Any:
-            cfg = original(enable_sp=enable_sp)
-            cfg.state_shardings["weight"] = _layout(dp=spmd.R, cp=spmd.R, tp=spmd.I)
-            return cfg
-        return norm_config
-
-    return _patched("torchtitan.models.llama3.sharding", "norm_config", replace)
-
-
-def rowwise_output_invariant() -> ContextManager:
-    """``rowwise_config``: a row-parallel linear's output declared ``I`` on tp instead of ``P``."""
-    import spmd_types as spmd
-
-    def replace(original: Callable) -> Callable:
-        def rowwise_config(*, output_sp: bool = False) -> Any:
-            cfg = original(output_sp=output_sp)
-            cfg.out_src_shardings = _layout(dp=spmd.S(0), cp=spmd.S(1), tp=spmd.I)
-            return cfg
-        return rowwise_config
-
-    return _patched("torchtitan.models.common.decoder_sharding", "rowwise_config", replace)
-
-
-def embedding_output_replicated() -> ContextManager:
-    """``set_decoder_sharding_config``: the vocab-parallel embedding's output claimed ``R`` on tp
-    (each rank holds only its vocab shard's rows: it is ``P``)."""
-    import spmd_types as spmd
-
-    def replace(original: Callable) -> Callable:
-        def set_decoder_sharding_config(config: Any, *, enable_sp: bool) -> None:
-            original(config, enable_sp=enable_sp)
-            config.tok_embeddings.sharding_config.out_src_shardings = _layout(dp=spmd.S(0), cp=spmd.S(1), tp=spmd.R)
-        return set_decoder_sharding_config
-
-    return _patched("torchtitan.models.llama3.sharding", "set_decoder_sharding_config", replace)
-
-
-def ffn_skips_all_gather() -> ContextManager:
-    """``set_dense_ffn_sharding``: the FFN keeps its sequence-sharded input (no all-gather to ``R``)."""
-    def replace(original: Callable) -> Callable:
-        def set_dense_ffn_sharding(feed_forward_cfg: Any, *, attn_x_layout: Any, enable_sp: bool) -> None:
-            original(feed_forward_cfg, attn_x_layout=attn_x_layout, enable_sp=enable_sp)
-            feed_forward_cfg.sharding_config.in_dst_shardings = {"x": attn_x_layout}
-        return set_dense_ffn_sharding
-
-    return _patched("torchtitan.models.llama3.sharding", "set_dense_ffn_sharding", replace)
-
-
-def tokens_per_expert_replicated() -> ContextManager:
-    """``_tokens_per_expert_placement``: the per-expert token counts claimed ``R`` (each rank counts its
-    own tokens: they are ``P``)."""
-    import spmd_types as spmd
-
-    def replace(original: Callable) -> Callable:
-        def _tokens_per_expert_placement(*, enable_ep: bool) -> Any:
-            return _layout(dp=spmd.R, cp=spmd.R, tp=spmd.R)
-        return _tokens_per_expert_placement
-
-    return _patched("torchtitan.models.common.moe_sharding", "_tokens_per_expert_placement", replace)
-
-
-def lm_head_logits_replicated() -> ContextManager:
-    """``set_decoder_sharding_config``: the lm_head's logits claimed ``R`` on tp (the lm_head is
-    column-parallel over the vocabulary: they are ``S(-1)``)."""
-    import spmd_types as spmd
-
-    def replace(original: Callable) -> Callable:
-        def set_decoder_sharding_config(config: Any, *, enable_sp: bool) -> None:
-            original(config, enable_sp=enable_sp)
-            replicated = _layout(dp=spmd.S(0), cp=spmd.S(1), tp=spmd.R)
-            config.lm_head.sharding_config.out_src_shardings = replicated
-            config.lm_head.sharding_config.out_dst_shardings = replicated
-        return set_decoder_sharding_config
-
-    return _patched("torchtitan.models.llama3.sharding", "set_decoder_sharding_config", replace)
-
-
-@dataclass(frozen=True)
-class Mistake:
-    """A planted mistake, the case it is planted in, and the torchtitan lines its error points at.
-
-    ``lines`` (``path inside torchtitan:line``, torchtitan 0.3.0) are the
-    model-code line where the mistake surfaces and the innermost torchtitan
-    line of the error, as the peer's ``SpmdTypeError`` traceback has them.
-    """
-
-    name: str
-    plant: Callable[[], ContextManager]
-    case: str
-    lines: tuple[str, ...]
-
-
-_SP = "llama3 dp4 x tp2 (SP)"
-MISTAKES: tuple[Mistake, ...] = (
-    # attention_norm(x): RMSNorm of the V (sequence-sharded) activation with an I weight
-    Mistake("norm weight I under SP", norm_weight_invariant_under_sp, _SP,
-            ("models/llama3/model.py:48", "protocols/module.py:291")),
-    # wo's output checked against out_src_shardings (spmd.assert_type in _redistribute_outputs)
-    Mistake("row-wise output declared I, not P", rowwise_output_invariant, _SP,
-            ("models/common/attention.py:1010", "protocols/module.py:665")),
-    # tok_embeddings(tokens): the local_map region's output checked against its declared type
-    Mistake("embedding output claimed replicated", embedding_output_replicated, _SP,
-            ("models/common/decoder.py:235", "protocols/module.py:291")),
-    # self.w1(x) on the sequence-sharded x: no sharding strategy for the column-parallel linear
-    Mistake("FFN skips its all-gather", ffn_skips_all_gather, _SP,
-            ("models/common/feed_forward.py:54", "protocols/module.py:291")),
-    # tokens_per_expert_E.add_(counts): the R-declared buffer takes P counts
-    Mistake("tokens-per-expert counts claimed replicated", tokens_per_expert_replicated, "qwen3-MoE tp2 x ep2",
-            ("models/common/moe.py:446",)),
-    # logits = lm_head(h_chunk): the vocab-sharded logits checked against out_src_shardings
-    Mistake("lm_head logits claimed replicated", lm_head_logits_replicated, _SP,
-            ("components/loss.py:748", "protocols/module.py:665")),
-)
-
-
-def mistake(name: str) -> Mistake:
-    """The planted mistake called ``name`` (see :data:`MISTAKES`)."""
-    for m in MISTAKES:
-        if m.name == name:
-            return m
-    raise KeyError(f"no mistake {name!r}; mistakes: {[m.name for m in MISTAKES]}")
-
-
-def torchtitan_frames(exc: BaseException) -> list[str]:
-    """The torchtitan source lines in ``exc``'s traceback, outermost first, as ``models/common/x.py:123``."""
-    import traceback
-
-    marker = "/torchtitan/"
-    return [f"{f.filename.split(marker, 1)[1]}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)
-            if marker in f.filename]
-
-
-def plant(m: Mistake) -> BaseException:
-    """Run the mistake's case on the fake group with checking on; returns the exception it raised.
-
-    Raises ``AssertionError`` if the step ran through.
-    """
-    try:
-        run(case(m.case), "fake", mistake=m.plant)
-    except Exception as exc:  # the caller checks the kind: this returns whatever was raised
-        return exc
-    raise AssertionError(f"planted mistake {m.name!r} ran through: no error")

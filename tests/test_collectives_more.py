@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import fake_mesh
@@ -183,3 +185,20 @@ def test_every_backward_the_table_names_can_be_looked_up():
         again = backward_of(*back)
         assert (again[1], again[2]) == (row.src, row.dst), (row, back, again)
         assert again[0] == row.op or {again[0], row.op} == {"convert", "reinterpret"}, (row, back, again)
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["erased", "typed"])
+@pytest.mark.parametrize("dst", [S(0), S(1), V], ids=["S(0)", "S(1)", "V"])
+def test_a_local_slice_owns_contiguous_storage(mesh4, typed, dst):
+    # torchtitan shards parameters with spmd.shard(w, group, src=I, dst=S(d)) before fully_shard; FSDP refuses a
+    # non-contiguous parameter ("FSDP does not support non-contiguous parameters yet"), and a view would keep the
+    # whole weight alive. As the published package: a new contiguous tensor, whatever the dim.
+    w = torch.arange(32.0).reshape(N, 8)
+    with spmd.set_current_mesh(mesh4), (spmd.typecheck() if typed else contextlib.nullcontext()):
+        if typed:
+            spmd.assert_type(w, {"tp": I})
+        out = spmd.convert(w, "tp", src=I, dst=dst)
+    assert out.is_contiguous()
+    assert out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    expected = w[0] if dst is V else w.chunk(N, dst.dim)[0]  # rank 0's part (the fake group is rank 0)
+    assert torch.equal(out.as_subclass(torch.Tensor), expected)

@@ -95,3 +95,24 @@ def test_refining_sets_the_partition_spec_in_global_spmd(mesh_dp_tp):
         spmd.assert_type(x, {"tp": S(1)})
         assert spmd.get_type(x) == {"dp": S(0), "tp": S(1)}
         assert spmd.get_partition_spec(x) == spmd.PartitionSpec("dp", "tp")
+
+
+def test_a_partition_spec_asserted_in_local_spmd_is_the_layout_a_global_region_reads():
+    # torchtitan's QKV head split: a view in spmd.local() (its types V, the layout forgotten), re-declared with
+    # assert_type(x, V, PartitionSpec(...)); the global code after it (a norm of the heads) reads that layout, as
+    # with the published package. Size-1 axes (cp, tp here) drop out of the spec.
+    from conftest import fake_mesh
+
+    from spmd_types.runtime import get_partition_spec
+
+    mesh = fake_mesh((2, 1, 1), ("dp", "cp", "tp"))
+    with spmd.set_current_mesh(mesh), spmd.typecheck(local=False):
+        x = torch.ones(2, 4, 6)
+        spmd.assert_type(x, {"dp": spmd.S(0)})
+        with spmd.local():
+            y = x.view(2, 4, -1, 3)
+            assert get_partition_spec(y) is None
+            spmd.assert_type(y, spmd.V, spmd.PartitionSpec("dp", "cp", "tp", None))
+        assert get_partition_spec(y) == spmd.PartitionSpec("dp", None, None, None)
+        out = torch.nn.functional.rms_norm(y, (3,))  # global SPMD: refused for a V tensor with no layout
+        assert get_partition_spec(out) == spmd.PartitionSpec("dp", None, None, None)

@@ -8,7 +8,8 @@ imports; one step with checking on runs on a fake process group; on simulated
 ranks (``LocalTensorMode``) loss and gradients equal the same run with checking
 off and the same model on one device; and planted sharding-config mistakes
 raise ``spmd.SpmdTypeError`` at the torchtitan line where they surface. The
-harness and its CPU shims: ``_torchtitan_support.py``, ``_torchtitan_shims.py``;
+harness, its mistakes and its CPU shims: ``_torchtitan_support.py``, ``_torchtitan_mistakes.py``,
+``_torchtitan_shims.py``;
 the same matrix as a table: ``torchtitan_peer_check.py``.
 """
 
@@ -18,6 +19,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+import _torchtitan_mistakes as tm  # noqa: E402
 import _torchtitan_support as tt  # noqa: E402
 import torch  # noqa: E402
 
@@ -66,13 +68,13 @@ def test_simulated_ranks_match_checking_off_and_one_device(name):
                                        msg=lambda m, n=n, rank=rank: f"gradient of {n} on rank {rank}: {m}")
 
 
-@pytest.mark.parametrize("name", [m.name for m in tt.MISTAKES])
+@pytest.mark.parametrize("name", [m.name for m in tm.MISTAKES])
 def test_planted_mistake_raises_at_torchtitan_line(name):
     import spmd_types as spmd
 
-    m = tt.mistake(name)
-    exc = tt.plant(m)
+    m = tm.mistake(name)
+    exc = tm.plant(m)
     assert isinstance(exc, spmd.SpmdTypeError), f"{m.name}: expected SpmdTypeError, got {exc!r}"
-    frames = tt.torchtitan_frames(exc)
+    frames = tm.torchtitan_frames(exc)
     for line in m.lines:
         assert line in frames or line in str(exc), f"{m.name}: the error does not point at {line}; torchtitan frames {frames}"

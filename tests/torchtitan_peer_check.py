@@ -19,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _torchtitan_mistakes as tm  # noqa: E402
 import _torchtitan_support as tt  # noqa: E402
 
 
@@ -45,14 +46,14 @@ def _case_rows(c: tt.Case) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _mistake_row(m: tt.Mistake) -> tuple[str, str, str, str]:
+def _mistake_row(m: tm.Mistake) -> tuple[str, str, str, str]:
     import spmd_types as spmd
 
     try:
-        exc = tt.plant(m)
+        exc = tm.plant(m)
     except AssertionError as ran_through:
         return (m.name, m.case, "NOT CAUGHT", str(ran_through))
-    frames = tt.torchtitan_frames(exc)
+    frames = tm.torchtitan_frames(exc)
     kind = "SpmdTypeError" if isinstance(exc, spmd.SpmdTypeError) else type(exc).__name__
     points = all(line in frames or line in str(exc) for line in m.lines)
     where = " <- ".join(reversed(frames[-2:]))
@@ -79,7 +80,7 @@ def main() -> None:
     rows = [row for c in tt.CASES for row in _case_rows(c)]
     print(_table(("model / config", "environment", "result", "max abs error"), rows))
     print()
-    print(_table(("planted mistake", "case", "raised", "first line @ torchtitan lines"), [_mistake_row(m) for m in tt.MISTAKES]))
+    print(_table(("planted mistake", "case", "raised", "first line @ torchtitan lines"), [_mistake_row(m) for m in tm.MISTAKES]))
     print(f"\n{time.time() - start:.0f} s")
 
 

@@ -324,6 +324,10 @@ def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tens
         t._spmd_types = refined  # type: ignore[attr-defined]
         if spec is not None:  # kept in local SPMD too: a global region after it reads the layout
             _add_placements(t, spec, {a for a in named if refined.get(a) is not have.get(a)})
+    elif partition_spec is not None and spec is not None and not STATE.global_mode:
+        # a V axis the given partition spec places, asserted in local SPMD (torchtitan's view in spmd.local()
+        # re-declares its layout so): the layout a global region after it reads, as the published package keeps it
+        _add_placements(t, spec, {a for a in named if refined.get(a) is V})
     if STATE.global_mode and spec is not None:
         # a plain V says nothing of the layout (S(d) refines V): only S(d) and a given partition spec place an axis
         placing = named if partition_spec is not None else {a for a in named if given.get(a) is not V}

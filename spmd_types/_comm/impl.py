@@ -222,15 +222,21 @@ def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, concat_dim: int)
 
 
 def take_slice(x: torch.Tensor, comm: AxisComm, dim: int | None, sizes: Sequence[int] | None) -> torch.Tensor:
-    """This rank's part of a replicated value: ``x[rank]``, or its shard of ``dim``; contiguous (a shard of a
-    parameter becomes a parameter, and FSDP2 takes contiguous ones only), as the published package gives it."""
+    """This rank's part of a replicated value: ``x[rank]``, or its shard of ``dim``.
+
+    A new contiguous tensor, never a view of ``x`` (as the published package): a
+    parameter sharded this way owns its storage, which FSDP requires (it refuses
+    non-contiguous parameters), and does not keep the whole value alive.
+    """
     index = group_rank(comm)
     if dim is None:
-        return x.select(0, index).contiguous()
-    if sizes is not None:
-        return _per_rank(_take_uneven)(x, index, dim, tuple(sizes)).contiguous()
-    k = x.shape[dim] // comm.size
-    return x.narrow(dim, index * k, k).contiguous()
+        part = x.select(0, index)
+    elif sizes is not None:
+        part = _per_rank(_take_uneven)(x, index, dim, tuple(sizes))
+    else:
+        k = x.shape[dim] // comm.size
+        part = x.narrow(dim, index * k, k)
+    return part.clone(memory_format=torch.contiguous_format)
 
 
 def _take_uneven(x: torch.Tensor, index: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
