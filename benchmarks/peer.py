@@ -15,7 +15,9 @@ What is timed: one trainer step (forward, loss, backward) of torchtitan
 0.3.0's llama3 debug model, one layer, as ``tests/_torchtitan_support.py``
 builds it (its configs, ``parallelize_fn``, weight init, chunked loss and
 ``Trainer._forward_backward_body``), on rank 0 of a fake process group
-(collectives move no data), dp=4 x tp=2 with sequence parallelism by default.
+(collectives move no data), dp=4 x tp=2 with sequence parallelism by default;
+on torch 2.14 with torchtitan's own FSDP2 applied (``dp_mesh_dims``: FSDP reads
+the parameters' spmd types), on torch 2.13 without it (it cannot take them).
 "typed" has ``debug.spmd_typechecking`` on (the forward and loss inside
 ``spmd_types.checker.typecheck``), "erased" has it off: the same spmd calls,
 run as plain PyTorch, as torchtitan runs them in production.
@@ -107,6 +109,7 @@ def worker(which: str, expect: str, case_name: str, steps: int) -> dict:
         built = {}
         for mode in ("typed", "erased"):
             try:
+                _fresh_dtensor_caches()  # a second model gets its own meshes (FSDP checks its parameters' by identity)
                 b = tt.build(c, checking=mode == "typed", world=c.world)
                 for _ in range(2):  # warm-up
                     loss = _step(tt, b, rows)
@@ -122,6 +125,15 @@ def worker(which: str, expect: str, case_name: str, steps: int) -> dict:
                 _step(tt, built[mode], rows)
                 result["times"][mode].append(time.process_time() - start)
     return result
+
+
+def _fresh_dtensor_caches() -> None:
+    """DTensor's sharding caches key on meshes by value: clear them, so an equal mesh made again is not the old one."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # an older torch keeps no such cache
+        return
+    _clear_sharding_prop_cache()
 
 
 def _step(tt, b, rows: int):
@@ -188,8 +200,12 @@ def main() -> None:
         per_round.append(medians)
 
     ms: dict[tuple[str, str], float | None] = {}
-    print(f"torchtitan 0.3.0 {args.case}, llama3 one layer, seq {16}, fake process group, rank 0: one trainer step "
-          f"(forward + loss + backward), CPU ms, median of {args.rounds} x {args.steps} steps per cell")
+    import torch
+
+    fsdp = "FSDP2 applied" if torch.__version__ >= "2.14" else "FSDP2 skipped (torch 2.13 cannot take typed parameters)"
+    print(f"torchtitan 0.3.0 {args.case}, llama3 one layer, seq {16}, fake process group, rank 0, {fsdp}, torch "
+          f"{torch.__version__}: one trainer step (forward + loss + backward), CPU ms, median of {args.rounds} x "
+          f"{args.steps} steps per cell")
     print(f"    ours: {paths['ours']}; peer: meta-pytorch spmd-types 0.2.3 from {paths['peer']}")
     print(f"    {'package':8} {'mode':7} {'ms/step':>9}  {'loss':>8}  note")
     for which in ("ours", "peer"):
