@@ -17,15 +17,16 @@ from .._core.async_tensor import settled
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.spec import format_shape, short_dtype
-from .._core.state import BY_GRADIENT, STATE
+from .._core.state import STATE
 from .._core.types import I, R, TypeMap, V
 from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unregistered_function, watch_apply_output
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 from .._local.op_registry import OpEntry, entry_for
-from .._local.rules import backward_possible, infer
+from .._local.rules import infer
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
+from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _AUTOGRAD_RUNS,
     _BACKWARD,
@@ -158,16 +159,17 @@ def _typed_call(func, args, kwargs):
     key = tuple(key)
     cache = _CACHES[STATE.strict]
     out_types = cache.get(key, _MISSING)
-    if out_types is _BY_GRADIENT:  # this signature's answer also depends on which operands carry a gradient
-        out_types = cache.get((key, _gradient_bits(args, kwargs)), _MISSING)
+    if type(out_types) is Keyed:  # this signature's answer also depends on gradient bits or the current mesh
+        out_types = cache.get(more_key(out_types, key, args, kwargs), _MISSING)
     if out_types is _MISSING:
         STATE.uncacheable = False
         out_types = _infer_or_raise(func, args, kwargs, key)
         if not STATE.uncacheable:
             cache[key] = out_types
-        elif STATE.uncacheable is BY_GRADIENT:  # a gradient-free acceptance: cached with the gradient bits
-            cache[key] = _BY_GRADIENT
-            cache[(key, _gradient_bits(args, kwargs))] = out_types
+        elif STATE.uncacheable is not True:  # cached with what else it read (gradient bits, the mesh)
+            keyed = keyed_by(STATE.uncacheable)
+            cache[key] = keyed
+            cache[more_key(keyed, key, args, kwargs)] = out_types
     if STATE.tracing:
         log_op(entry_for(func).display, list(args) + list(kwargs.values()), out_types)
     if STATE.global_mode and out_types is not None:
@@ -185,26 +187,6 @@ def _typed_call(func, args, kwargs):
     if out_types is None:
         return out
     return _wrap(out, out_types)
-
-
-def _gradient_bits(args, kwargs) -> tuple:
-    """Which tensor operands carry a gradient (the rules' ``Operand.grad``), in order, and whether any can."""
-    bits = [backward_possible()]
-
-    def visit(a: Any) -> None:
-        if isinstance(a, torch.Tensor):
-            bits.append(a.requires_grad)
-        elif type(a) is list or type(a) is tuple:
-            for x in a:
-                visit(x)
-
-    with _DisableTF():
-        for a in (*args, *kwargs.values()):
-            visit(a)
-    return tuple(bits)
-
-
-_BY_GRADIENT = object()  # in the result cache: look again with the gradient bits
 
 
 def _register_typed_hook(func, args, kwargs):
