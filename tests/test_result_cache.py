@@ -128,3 +128,76 @@ def _space(mesh) -> Space:
         from spmd_types._core.mesh import current_mesh
 
         return current_mesh().space
+
+
+# ---------------------------------------------------------------------------
+# a registered Function's pure rule, remembered per its arguments' own types, shapes and the mesh
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        return x * (k[0] if isinstance(k, list) else k)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+_ASKED: list = []
+
+
+def _rule(x, k):
+    _ASKED.append((x, k))
+    if x is None or any(t is P for _, t in x.items):
+        from spmd_types._core.errors import Rejection
+
+        return Rejection("no P here", [("x", str(x))], [])
+    return {a: (V if t.is_varying else t) for a, t in x.items}
+
+
+@pytest.fixture
+def scale():
+    from spmd_types._boundaries.autograd_functions import pure_rule
+
+    spmd.register_autograd_function(_Scale, rule=pure_rule(_rule))
+    try:
+        yield
+    finally:
+        spmd.unregister_autograd_function(_Scale)
+
+
+def test_a_pure_rule_is_asked_once_per_types_and_mesh_and_a_hit_is_its_answer(meshes, scale):
+    """The key holds the arguments' own types and the mesh's token: a tensor typed on the dense mesh is
+    presented to the rule on the flat one, and the flat mesh's answer is never the dense one's."""
+    dense, flat = meshes
+    x = spmd.assert_type(torch.randn(3), {"dp": V, "cp": V, "tp": R})
+    want = {"dense": {"dp": V, "cp": V, "tp": R}, "flat": {"dp_cp": V, "tp": R}}
+    from spmd_types._boundaries import autograd_functions as af
+
+    af._RULE_RESULTS.clear()
+    for _ in range(2):
+        for name, mesh in (("dense", dense), ("flat", flat)):
+            _ASKED.clear()
+            with spmd.set_current_mesh(mesh):
+                assert spmd.get_type(_Scale.apply(x, 2.0)) == want[name]
+                assert spmd.get_type(_Scale.apply(x, 2.0)) == want[name]
+            assert len(_ASKED) <= 1
+            if _ASKED:
+                assert _ASKED[0][0].as_dict() == want[name]  # presented on the current mesh
+    _ASKED.clear()
+    with spmd.set_current_mesh(flat):
+        assert spmd.get_type(_Scale.apply(x, 3.0)) == want["flat"]  # another argument value: asked again
+    assert len(_ASKED) == 1
+
+
+def test_a_pure_rule_refusal_or_an_unhashable_argument_is_asked_every_time(meshes, scale):
+    dense, _ = meshes
+    p = spmd.assert_type(torch.randn(3), {"dp": P, "cp": V, "tp": R})
+    v = spmd.assert_type(torch.randn(3), {"dp": V, "cp": V, "tp": R})
+    _ASKED.clear()
+    for _ in range(2):
+        with pytest.raises(spmd.SpmdTypeError):
+            _Scale.apply(p, 2.0)
+        assert spmd.get_type(_Scale.apply(v, [2.0])) == {"dp": V, "cp": V, "tp": R}
+    assert len(_ASKED) == 4

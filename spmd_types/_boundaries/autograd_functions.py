@@ -47,6 +47,7 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
            "register_local_autograd_function", "register_decomposition", "pure_rule"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_DisableTF = torch._C.DisableTorchFunctionSubclass
 # Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
 _FUNCTION_BASE_APPLY = torch.autograd.Function.__dict__["apply"]
 
@@ -398,6 +399,19 @@ def _arg_types(cls: type, args: tuple) -> list[Any]:
     return out
 
 
+def _own_types(args: tuple) -> tuple:
+    """Per argument: a tensor's own types (None if plain), else the argument itself."""
+    out = []
+    for a in args:
+        if type(a) in _TYPED_CLASSES:
+            out.append(a._spmd_types)
+        elif isinstance(a, torch.Tensor):
+            out.append(getattr(a, "_spmd_types", None))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
 def _takes_shapes(rule: Callable[..., Any]) -> bool:
     import inspect
 
@@ -421,18 +435,23 @@ _RULE_RESULTS: dict[tuple, Any] = {}
 
 def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
     assert reg.rule is not None
-    arg_types = _arg_types(cls, args)
-    shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args) if reg.rule_shapes else None
+    shapes = None
+    if reg.rule_shapes:
+        with _DisableTF():  # a typed tensor's .shape through __torch_function__ costs microseconds
+            shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
     key = None
     if getattr(reg.rule, "__spmd_pure_rule__", False):
         mesh = current_mesh()
-        key = (cls, reg.rule, tuple(arg_types), shapes, None if mesh is None else mesh.token)
+        # Keyed by the arguments' own types: the types the rule reads (presented on the current mesh) are a
+        # function of them and of the mesh, which its token stands for; presenting them waits for a miss.
+        key = (cls, reg.rule, _own_types(args), shapes, None if mesh is None else mesh.token)
         try:
             found = _RULE_RESULTS.get(key, _NOT_FOUND)
         except TypeError:  # an unhashable argument (a list of split sizes): asked every time
             found = key = None
         if found is not _NOT_FOUND and key is not None:
             return found
+    arg_types = _arg_types(cls, args)
     STATE.uncacheable = False
     result = reg.rule(*arg_types, shapes=shapes) if reg.rule_shapes else reg.rule(*arg_types)
     if isinstance(result, Rejection):

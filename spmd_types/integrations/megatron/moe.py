@@ -249,11 +249,12 @@ def check_load_balancing() -> None:
 # expert parameters and the expert mesh inside MoE layers
 
 
-def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every Megatron ``MoELayer`` in ``model``, with its qualified name."""
+def moe_layers(model: torch.nn.Module, modules: list | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """Every Megatron ``MoELayer`` in ``model``, with its qualified name (``modules``: ``model.named_modules()``
+    already walked)."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseMoELayer)]
+    return [(n, m) for n, m in (model.named_modules() if modules is None else modules) if isinstance(m, BaseMoELayer)]
 
 
 def expert_parameter_types(param: torch.nn.Parameter, axes: tuple[str, ...]) -> dict[str, SpmdType]:
@@ -314,10 +315,11 @@ class _ExpertMeshHooks:
         return back(output)
 
 
-def install_expert_mesh_hooks(model: torch.nn.Module, mesh: dict[str, Any]) -> int:
-    """Make ``mesh`` (the expert mesh) current inside every MoE layer of ``model`` (idempotent); returns the count."""
+def install_expert_mesh_hooks(model: torch.nn.Module, mesh: dict[str, Any], layers: list | None = None) -> int:
+    """Make ``mesh`` (the expert mesh) current inside every MoE layer of ``model`` (idempotent); returns the count.
+    ``layers``: ``moe_layers(model)`` already found."""
     count = 0
-    for _, layer in moe_layers(model):
+    for _, layer in moe_layers(model) if layers is None else layers:
         hooks = layer.__dict__.get("_spmd_expert_hooks")
         if hooks is not None:
             hooks.mesh = mesh
