@@ -425,6 +425,13 @@ def test_type_parameters_walks_the_module_tree_once_with_named_parameters_own_an
     shared.a, shared.b = model, torch.nn.Linear(2, 2)
     shared.b.register_parameter("none", None)
     shared.c = shared.b  # the same module twice: its parameters once
+
+    class OwnWalk(torch.nn.Linear):  # a class with its own idea of its submodules: its own walk is used
+        def named_modules(self, *args, **kwargs):
+            yield "", self
+
+    shared.d = OwnWalk(2, 2)
+    shared.d.hidden = torch.nn.Linear(2, 2)
     for m in (model, shared):
         modules, params = _adapter._modules_and_parameters(m)
         assert [(n, id(p)) for n, p in params] == [(n, id(p)) for n, p in m.named_parameters()]

@@ -240,7 +240,7 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     else:
         out_types = _local_types(cls, args, kwargs)
     _refuse_global(cls)
-    out = _original_apply(cls, reg, _plain(args), _plain_kw(kwargs) if kwargs else kwargs)
+    out = _original_apply(cls, reg, _plain_args(args), _plain_kw(kwargs) if kwargs else kwargs)
     return _type_outputs(cls, out, out_types)
 
 
@@ -264,6 +264,20 @@ def _apply_typecheck_forward(cls: type, reg: Registration, args: tuple, kwargs: 
         return cls.typecheck_forward(*args, **kwargs)
     finally:
         _INSIDE.classes = _INSIDE.classes[:-1]
+
+
+def _plain_args(args: tuple) -> tuple:
+    """``_plain(args)``: a Function's arguments with each typed tensor given as a plain alias."""
+    out = []
+    for a in args:
+        tp = type(a)
+        if tp in _UNTYPED_LEAVES:
+            out.append(a)
+        elif tp in _TYPED_CLASSES:
+            out.append(unwrap(a))
+        else:
+            out.append(_plain(a))
+    return tuple(out)
 
 
 def _plain_kw(kwargs: Mapping[str, Any]) -> dict:

@@ -33,6 +33,7 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
     rehome_here,
 )
 from .reading import get_local_type as _typed_local_type
+from .run_ops import _TYPED_CLASSES
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
 
@@ -235,6 +236,12 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
         return remember(t, types, partition_spec)  # applied when typecheck() starts; t stays plain
     if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
         refuse_compile()
+    if type(t) in _TYPED_CLASSES and type(types) is dict:  # the common re-assertion (a parameter every step)
+        old = t._spmd_types
+        out = _refine(t, types, partition_spec)
+        if STATE.tracing:
+            log_op("assert_type", [old], out)
+        return out
     if isinstance(t, (list, tuple)):
         return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
     if isinstance(types, SpmdType):  # one type for every axis of the current mesh

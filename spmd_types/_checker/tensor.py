@@ -151,7 +151,13 @@ def _typed_call(func, args, kwargs):
         onto_current_mesh(func, args, kwargs)
     key = [func]
     for a in args:
-        key.append(a._spmd_types if type(a) in _TYPED_CLASSES else _marker(a))
+        tp = type(a)
+        if tp in _TYPED_CLASSES:
+            key.append(a._spmd_types)
+        elif tp is int:  # _marker's answer, without the call (sizes and dims)
+            key.append(_ZERO if a == 0 else _NUMBER)
+        else:
+            key.append(_marker(a))
     if kwargs:
         for k, v in kwargs.items():
             key.append(k)
@@ -185,6 +191,10 @@ def _typed_call(func, args, kwargs):
         with _DisableTF():
             out = func(*args, **kwargs)
     if out_types is None:
+        return out
+    if type(out) is torch.Tensor:  # _wrap's common case, without the call
+        out.__class__ = LTensor
+        out._spmd_types = out_types
         return out
     return _wrap(out, out_types)
 
@@ -337,8 +347,8 @@ def _marker(a: Any) -> Any:
         if found is not None:
             return found
         return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
-    if tp is list or tp is tuple:
-        return tuple(_marker(x) for x in a)
+    if tp is list or tp is tuple:  # sizes mostly (split, view): numbers marked without a call each
+        return tuple((_ZERO if x == 0 else _NUMBER) if type(x) is int else _marker(x) for x in a)
     if tp is str:  # a mode argument can decide linearity (scatter_reduce's reduce="sum" vs "amax")
         return a
     return None
@@ -574,7 +584,7 @@ def _type_grad(param: torch.Tensor) -> None:
     with _DisableTF():  # a typed parameter's .grad through __torch_function__ costs microseconds
         grad = param.grad
     types = getattr(param, "_spmd_types", None)
-    if types is not None:
+    if types is not None and STATE.strict:
         check_typed_root(param, types)  # strict mode: no backward from an untyped loss
     if grad is None or types is None:
         return
@@ -582,6 +592,6 @@ def _type_grad(param: torch.Tensor) -> None:
     if getattr(grad, "_spmd_types", None) is back:
         return
     if type(grad) not in _TYPED_CLASSES:
-        grad.__class__ = _typed_class_for(grad)
+        grad.__class__ = LTensor if type(grad) is torch.Tensor else _typed_class_for(grad)
     grad._spmd_types = back
     mark_grad(grad, param)

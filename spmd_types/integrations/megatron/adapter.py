@@ -334,8 +334,7 @@ def _modules_and_parameters(model: torch.nn.Module) -> tuple[list, list]:
     """``model.named_modules()`` and ``model.named_parameters()`` (the same names, order and deduplication) from
     one walk of the module tree: type_parameters runs every step in some loops, and a walk is most of its cost."""
     modules = list(model.named_modules())
-    if (type(model).named_parameters is not torch.nn.Module.named_parameters
-            or type(model).named_modules is not torch.nn.Module.named_modules):
+    if type(model).named_parameters is not torch.nn.Module.named_parameters:
         return modules, list(model.named_parameters())  # a model with its own idea of its parameters
     params, seen = [], set()
     for prefix, module in modules:
