@@ -201,3 +201,18 @@ def test_a_pure_rule_refusal_or_an_unhashable_argument_is_asked_every_time(meshe
             _Scale.apply(p, 2.0)
         assert spmd.get_type(_Scale.apply(v, [2.0])) == {"dp": V, "cp": V, "tp": R}
     assert len(_ASKED) == 4
+
+
+def test_a_pure_rule_given_sizes_is_remembered_by_their_values(meshes, scale):
+    """A list of sizes (an all-to-all's splits) is part of the key by value; a list of anything else is not
+    remembered at all (asked every time)."""
+    dense, _ = meshes
+    v = spmd.assert_type(torch.randn(3), {"dp": V, "cp": V, "tp": R})
+    _ASKED.clear()
+    for k in ([2], [2], [3], [2]):
+        assert spmd.get_type(_Scale.apply(v, k)) == {"dp": V, "cp": V, "tp": R}
+    assert [asked[1] for asked in _ASKED] == [[2], [3]]
+    _ASKED.clear()
+    for _ in range(2):
+        _Scale.apply(v, [2.0])
+    assert len(_ASKED) == 2

@@ -414,16 +414,21 @@ def _arg_types(cls: type, args: tuple) -> list[Any]:
 
 
 def _own_types(args: tuple) -> tuple:
-    """Per argument: a tensor's own types (None if plain), else the argument itself."""
+    """Per argument: a tensor's own types (None if plain), a list's items (split sizes), else the argument."""
     out = []
     for a in args:
         if type(a) in _TYPED_CLASSES:
             out.append(a._spmd_types)
         elif isinstance(a, torch.Tensor):
             out.append(getattr(a, "_spmd_types", None))
+        elif type(a) is list and all(type(x) is int for x in a):
+            out.append((_LIST, tuple(a)))  # split sizes: by value, told apart from a tuple
         else:
             out.append(a)
     return tuple(out)
+
+
+_LIST = object()
 
 
 def _takes_shapes(rule: Callable[..., Any]) -> bool:

@@ -169,13 +169,15 @@ def moe_table() -> list[tuple[type, dict[str, Any], str]]:
     """(Function, registration keywords, what its code does) for every Function in megatron.core.transformer.moe."""
     from megatron.core.transformer.moe import fused_a2a, moe_utils
 
+    from ..._boundaries.autograd_functions import pure_rule  # its rules read their arguments' types only
+
     table: list[tuple[type, dict[str, Any], str]] = [
         (moe_utils.RouterGatingLinearFunction, dict(transparent=True),
          "forward: the router's logits, input @ weight.T (+ bias) in router_dtype; backward: its true derivative"),
-        (moe_utils.MoEAuxLossAutoScaler, dict(rule=_aux_loss_rule),
+        (moe_utils.MoEAuxLossAutoScaler, dict(rule=pure_rule(_aux_loss_rule)),
          "forward: identity on the activation, saves aux_loss; backward: the activation's gradient, and ones "
          "(times the main loss's scale) for aux_loss"),
-        (moe_utils.RandomSTE, dict(rule=_random_ste_rule),
+        (moe_utils.RandomSTE, dict(rule=pure_rule(_random_ste_rule)),
          "forward: random logits with a per-rank seed; backward: identity (straight-through)"),
     ]
     for cls in (fused_a2a.FusedDispatch, fused_a2a.FusedCombine, fused_a2a.HybridEPDispatch,
