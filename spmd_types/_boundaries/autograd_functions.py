@@ -225,8 +225,17 @@ def _original_apply(cls: type, reg: Registration | None, args: tuple, kwargs: di
 
 def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     reg = _REGISTRY.get(cls)
-    if reg is None or not STATE.checking or reg.kind == "transparent" or not _any_typed(args, kwargs):
+    if reg is None or not STATE.checking or reg.kind == "transparent":
         # A subclass of a registered class is not registered: its forward meets the guard.
+        return _original_apply(cls, reg, args, kwargs)
+    if reg.kind == "rule" and not kwargs:  # the common case (Megatron's Functions): one pass reads the arguments
+        own, typed = _own_types(args)
+        if not typed:
+            return _original_apply(cls, reg, args, kwargs)
+        out_types = _rule_types(cls, reg, args, own)
+        _refuse_global(cls)
+        return _type_outputs(cls, _original_apply(cls, reg, _plain_args(args), kwargs), out_types)
+    if not _any_typed(args, kwargs):
         return _original_apply(cls, reg, args, kwargs)
     if reg.kind == "op":
         return _apply_as_op(cls, reg, args, kwargs)
@@ -413,19 +422,26 @@ def _arg_types(cls: type, args: tuple) -> list[Any]:
     return out
 
 
-def _own_types(args: tuple) -> tuple:
-    """Per argument: a tensor's own types (None if plain), a list's items (split sizes), else the argument."""
+def _own_types(args: tuple) -> tuple[tuple, bool]:
+    """Per argument: a tensor's own types (None if plain), a list's items (split sizes), else the argument;
+    and whether any argument is typed (:func:`_any_typed`'s answer)."""
     out = []
+    typed = False
     for a in args:
-        if type(a) in _TYPED_CLASSES:
+        tp = type(a)
+        if tp in _TYPED_CLASSES:
             out.append(a._spmd_types)
+            typed = True
         elif isinstance(a, torch.Tensor):
-            out.append(getattr(a, "_spmd_types", None))
-        elif type(a) is list and all(type(x) is int for x in a):
+            found = getattr(a, "_spmd_types", None)
+            out.append(found)
+            typed = typed or (found is not None and tp not in _UNTYPED_LEAVES)
+        elif tp is list and all(type(x) is int for x in a):
             out.append((_LIST, tuple(a)))  # split sizes: by value, told apart from a tuple
         else:
             out.append(a)
-    return tuple(out)
+            typed = typed or ((tp is list or tp is tuple) and _typed(a))
+    return tuple(out), typed
 
 
 _LIST = object()
@@ -452,7 +468,7 @@ def pure_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
 _RULE_RESULTS: dict[tuple, Any] = {}
 
 
-def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
+def _rule_types(cls: type, reg: Registration, args: tuple, own: tuple | None = None) -> Any:
     assert reg.rule is not None
     shapes = None
     if reg.rule_shapes:
@@ -463,7 +479,7 @@ def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
         mesh = current_mesh()
         # Keyed by the arguments' own types: the types the rule reads (presented on the current mesh) are a
         # function of them and of the mesh, which its token stands for; presenting them waits for a miss.
-        key = (cls, reg.rule, _own_types(args), shapes, None if mesh is None else mesh.token)
+        key = (cls, reg.rule, _own_types(args)[0] if own is None else own, shapes, None if mesh is None else mesh.token)
         try:
             found = _RULE_RESULTS.get(key, _NOT_FOUND)
         except TypeError:  # an unhashable argument (a list of split sizes): asked every time
