@@ -41,16 +41,16 @@ def test_typecheck_applies_each_record_once_under_its_mesh(mesh_dp_tp):
     with spmd.set_current_mesh(tp_only), spmd.typecheck():  # another current mesh: the record's own is used
         assert spmd.get_type(x) == {"dp": V, "tp": S(1)}
         assert spmd.get_type(w.weight) == {"dp": R, "tp": R} and spmd.get_type(w.bias) == {"dp": R, "tp": R}
-    assert latent.remembered(x) is None and not latent._RECORDS
+    assert latent.remembered(x) is None and not latent.RECORDS
 
 
 def test_the_last_record_wins_and_a_tensor_has_one_entry(mesh_dp_tp):
     x = torch.randn(4)
     with spmd.set_current_mesh(mesh_dp_tp):
-        before = len(latent._RECORDS)
+        before = len(latent.RECORDS)
         for ty in (R, I, V):
             spmd.assert_type(x, {"dp": R, "tp": ty})
-        assert len(latent._RECORDS) == before + 1
+        assert len(latent.RECORDS) == before + 1
         with spmd.typecheck():
             assert spmd.get_type(x) == {"dp": R, "tp": V}
 
@@ -64,7 +64,7 @@ def test_a_dead_tensors_entry_is_never_read_as_another_tensors_record(mesh_dp_tp
     gc.collect()
     assert dead() is None
     y = torch.randn(2)
-    latent._RECORDS[id(y)] = (dead, {"tp": P}, None, None, None)
+    latent.RECORDS[id(y)] = (dead, {"tp": P}, None, None, None)
     assert latent.remembered(y) is None and not spmd.has_local_type(y) and spmd.get_local_type(y) == {}
     with spmd.set_current_mesh(mesh_dp_tp), spmd.typecheck():
         assert spmd.get_type(y) is None and type(y) is torch.Tensor  # not applied either
@@ -78,7 +78,7 @@ def test_the_table_stays_bounded_when_recorded_tensors_die(mesh_dp_tp):
             spmd.assert_type(t, {"dp": V})
         for _ in range(10 * latent._PRUNE_FLOOR):
             spmd.assert_type(torch.empty(1), {"dp": V})  # dies at once
-    assert len(latent._RECORDS) < 2 * latent._PRUNE_FLOOR
+    assert len(latent.RECORDS) < 2 * latent._PRUNE_FLOOR
     assert all(spmd.get_local_type(t) == {"dp": V, "tp": V} for t in keep)  # the live ones are all kept
 
 
@@ -104,3 +104,15 @@ def test_records_of_a_torn_down_world_are_not_applied():
     spmd.assert_type(y, {"tp": V})  # made in this world: applied
     with spmd.set_current_mesh(mesh), spmd.typecheck():
         assert spmd.get_type(y) == {"tp": V}
+
+
+def test_assert_type_records_as_remember_does(mesh_dp_tp):
+    """assert_type has remember()'s common case inline (an erased call is one Python frame): the same record."""
+    types, spec = {"dp": V, "tp": S(0)}, spmd.PartitionSpec("tp", None)
+    a, b = torch.randn(4, 2), torch.randn(4, 2)
+    with spmd.set_current_mesh(mesh_dp_tp):
+        spmd.assert_type(a, types, spec)
+        latent.remember(b, types, spec)
+    ra, rb = latent.remembered(a), latent.remembered(b)
+    assert ra == rb and ra[0] is types and ra[1] is spec and ra[2] is not None
+    assert ra[3] is dist.distributed_c10d._get_default_group()  # the world read without its property's call

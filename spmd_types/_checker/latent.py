@@ -32,16 +32,18 @@ import torch.distributed as dist
 from .._core.dtensor_hook import is_dtensor
 from .._core.mesh import _MESHES, current_mesh, set_current_mesh
 
-__all__ = ["remember", "apply_remembered", "remembered"]
+__all__ = ["remember", "apply_remembered", "remembered", "RECORDS", "PLAIN", "C10D_WORLD", "prune"]
 
 # id(tensor) -> (weak reference to it, types, partition spec, mesh, world): what assert_type was told outside
 # typecheck(), not yet applied. An entry counts only while its reference still points at the tensor asked about.
-_RECORDS: dict[int, tuple] = {}
+RECORDS: dict[int, tuple] = {}
 _PRUNE_FLOOR = 1024
-_prune_at = _PRUNE_FLOOR
-_C10D_WORLD = dist.distributed_c10d._world if dist.is_available() else None  # its default_pg: the current world
+prune_at = _PRUNE_FLOOR
+# torch's process-group world; its ``_default_pg`` (what ``default_pg`` returns, read without the property's
+# call: the erased assert_type reads it on every call) is the current world. tests/test_latent.py checks it.
+C10D_WORLD = dist.distributed_c10d._world if dist.is_available() else None
 _ref = weakref.ref
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these classes: no DTensor, no LTensor, no container
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these classes: no DTensor, no LTensor, no container
 
 
 def remember(t: Any, types: Any, partition_spec: Any) -> Any:
@@ -50,12 +52,12 @@ def remember(t: Any, types: Any, partition_spec: Any) -> Any:
     A typed tensor keeps its type: every reader looks at ``_spmd_types`` first, so a record made for one (a
     typed tensor caught with its class swapped to ``torch.Tensor``) is never read.
     """
-    if type(t) in _PLAIN:  # the common case, kept short: it runs on every erased assert_type
+    if type(t) in PLAIN:  # the common case (asserts.assert_type has it inline: keep the two alike)
         stack = _MESHES.stack
-        _RECORDS[id(t)] = (_ref(t), types, partition_spec, stack[-1] if stack else None,
-                           None if _C10D_WORLD is None else _C10D_WORLD.default_pg)
-        if len(_RECORDS) >= _prune_at:
-            _prune()
+        RECORDS[id(t)] = (_ref(t), types, partition_spec, stack[-1] if stack else None,
+                          None if C10D_WORLD is None else C10D_WORLD._default_pg)
+        if len(RECORDS) >= prune_at:
+            prune()
         return t
     if isinstance(t, (list, tuple)):
         for x in t:
@@ -67,28 +69,28 @@ def remember(t: Any, types: Any, partition_spec: Any) -> Any:
         return t
     if not isinstance(t, torch.Tensor) or getattr(t, "_spmd_types", None) is not None or is_dtensor(t):
         return t  # a DTensor carries its layout in its placements: asserted only under checking
-    _RECORDS[id(t)] = (_ref(t), types, partition_spec, current_mesh(), _world())
-    if len(_RECORDS) >= _prune_at:
-        _prune()
+    RECORDS[id(t)] = (_ref(t), types, partition_spec, current_mesh(), _world())
+    if len(RECORDS) >= prune_at:
+        prune()
     return t
 
 
-def _prune() -> None:
+def prune() -> None:
     """Drop the entries of dead tensors; prune again when the table has doubled."""
-    global _prune_at
-    for key in [k for k, entry in _RECORDS.items() if entry[0]() is None]:
-        del _RECORDS[key]
-    _prune_at = max(_PRUNE_FLOOR, 2 * len(_RECORDS))
+    global prune_at
+    for key in [k for k, entry in RECORDS.items() if entry[0]() is None]:
+        del RECORDS[key]
+    prune_at = max(_PRUNE_FLOOR, 2 * len(RECORDS))
 
 
 def _world() -> Any:
     """The current default process group (records belong to the world they were made in), or None."""
-    return None if _C10D_WORLD is None else _C10D_WORLD.default_pg
+    return None if C10D_WORLD is None else C10D_WORLD._default_pg
 
 
 def remembered(t: Any) -> tuple | None:
     """The record for ``t``: ``(types, partition_spec, mesh, world)`` as given outside typecheck(), or None."""
-    entry = _RECORDS.get(id(t))
+    entry = RECORDS.get(id(t))
     if entry is None or entry[0]() is not t:
         return None  # none, or the entry of a dead tensor that had this id
     return entry[1:]
@@ -96,9 +98,9 @@ def remembered(t: Any) -> tuple | None:
 
 def apply_remembered(assert_type: Any) -> None:
     """Type every tensor that has a record (called as checking turns on), under the mesh it was given with."""
-    global _prune_at
-    while _RECORDS:
-        _, (ref, types, spec, mesh, world) = _RECORDS.popitem()
+    global prune_at
+    while RECORDS:
+        _, (ref, types, spec, mesh, world) = RECORDS.popitem()
         t = ref()
         if t is None or getattr(t, "_spmd_types", None) is not None:
             continue  # dead, or typed since
@@ -109,4 +111,4 @@ def apply_remembered(assert_type: Any) -> None:
         else:
             with set_current_mesh(mesh, local_axes=mesh.local_axes):
                 assert_type(t, types, spec)
-    _prune_at = _PRUNE_FLOOR
+    prune_at = _PRUNE_FLOOR
