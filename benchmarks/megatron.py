@@ -4,9 +4,10 @@ Run: python benchmarks/megatron.py [--tables abc]   (needs megatron-core; prints
 
 (a) Typecheck cost: CPU seconds for one forward+backward of a Megatron-core
     GPTModel (local spec, tp=2, dp=2, sequence parallel) on a fake process
-    group, typed (``spmd.typecheck()`` with the adapter's registrations) vs
-    untyped (a second model built alike, which typing never touched); medians
-    of repeats, the two interleaved.
+    group, typed (``spmd.typecheck()`` with the adapter's registrations, the
+    parameters typed once before the loop as in a training loop; and again
+    with ``type_parameters`` every step) vs untyped (a second model built
+    alike, which typing never touched); medians of repeats, interleaved.
 (b) Communication: each erased spmd call (plain tensors, outside
     ``typecheck()``) against the Megatron-core mapping that does the same
     work, forward+backward, on 2 and 4 gloo processes, a small (4 KB) and a
@@ -57,11 +58,14 @@ def _cpu() -> None:
 # (a) typecheck cost on a fake process group
 
 
-def typecheck_cost(repeats: int = 15) -> tuple[float, float]:
-    """(untyped, typed) CPU seconds of one forward+backward, medians of ``repeats``, the two interleaved.
+def typecheck_cost(repeats: int = 15) -> tuple[float, float, float]:
+    """(untyped, typed, typed re-typing) CPU seconds of one forward+backward, medians of ``repeats``, interleaved.
 
     Two models built alike: typing is in place (``type_parameters`` and ``assert_type`` give the parameters
-    and tokens their types), so the untyped run gets a model and tokens that typing never touched.
+    and tokens their types), so the untyped run gets a model and tokens that typing never touched. "typed" is
+    the step a training loop runs: the parameters typed once before the loop (they keep their types), the
+    tokens asserted and the forward and backward checked in ``spmd.typecheck()`` every step; "typed
+    re-typing" also calls ``type_parameters`` inside every step (each parameter re-asserted).
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -79,34 +83,40 @@ def typecheck_cost(repeats: int = 15) -> tuple[float, float]:
     for name in ("untyped", "typed"):
         torch.manual_seed(0)
         models[name] = megatron_gpt.build(2, True, layers=4, hidden=128, heads=8)[1]
+    models["typed re-typing"] = models["typed"]
     seq, vocab = megatron_gpt.SEQ, megatron_gpt.VOCAB
     tokens = torch.randint(0, vocab, (2, seq))
     positions = torch.arange(seq).expand(2, seq)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck():
+        spmd_megatron.type_parameters(models["typed"])
 
     def untyped() -> None:
         models["untyped"](tokens, positions, mask, labels=tokens).sum().backward()
 
-    def typed() -> None:
+    def typed(retype: bool = False) -> None:
         model = models["typed"]
         with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck():
-            spmd_megatron.type_parameters(model)
+            if retype:
+                spmd_megatron.type_parameters(model)
             t = spmd.assert_type(tokens.clone(), {"dp": spmd.V, "tp": I})
             p = spmd.assert_type(positions.clone(), {"dp": spmd.V, "tp": I})
             model(t, p, mask, labels=t).sum().backward()
 
-    times: dict[str, list[float]] = {"untyped": [], "typed": []}
-    for fn in (untyped, typed):  # warm-up
+    variants = (("untyped", untyped), ("typed", typed), ("typed re-typing", lambda: typed(retype=True)))
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for _, fn in variants:  # warm-up
         fn()
     for i in range(repeats):
-        for name, fn in (("untyped", untyped), ("typed", typed))[:: 1 if i % 2 == 0 else -1]:
+        for name, fn in variants[i % 3:] + variants[:i % 3]:  # the order rotates
             models[name].zero_grad(set_to_none=True)
             start = time.process_time()
             fn()
             times[name].append(time.process_time() - start)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return statistics.median(times["untyped"]), statistics.median(times["typed"])
+    return (statistics.median(times["untyped"]), statistics.median(times["typed"]),
+            statistics.median(times["typed re-typing"]))
 
 
 # ---------------------------------------------------------------------------
@@ -323,10 +333,11 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     _cpu()
     if "a" in tables:
-        untyped, typed = typecheck_cost()
+        untyped, typed, retyped = typecheck_cost()
         print("(a) GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward on a fake process group, "
-              "CPU ms, median of 15")
-        print(f"    untyped {untyped * 1e3:8.1f} ms   typed {typed * 1e3:8.1f} ms   typed/untyped {typed / untyped:5.2f}")
+              f"CPU ms, median of 15, interleaved; torch {torch.__version__}")
+        print(f"    untyped {untyped * 1e3:8.1f} ms   typed {typed * 1e3:8.1f} ms   typed/untyped {typed / untyped:5.2f}"
+              f"   (type_parameters every step: {retyped * 1e3:.1f} ms, {retyped / untyped:.2f})")
         print()
     if "b" in tables:
         print("(b) µs per forward+backward (median of repeats); erased spmd vs the Megatron-core mapping; bare "

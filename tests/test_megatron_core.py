@@ -415,3 +415,24 @@ def test_the_core_never_imports_megatron():
     code = "import sys, spmd_types.megatron; print(sorted(m for m in sys.modules if m.startswith('megatron')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"  # the adapter imports megatron.core only when one of its functions is called
+
+
+def test_type_parameters_walks_the_module_tree_once_with_named_parameters_own_answer(cpu):
+    """type_parameters runs every step in some loops: it walks the modules once and reads each one's own
+    parameters, which must give exactly named_parameters()'s names, objects and order (tied weights once)."""
+    model, _, _ = fake_gpt(2, 2, sp=True, model_kwargs={"share_embeddings_and_output_weights": True})
+    shared = torch.nn.Module()
+    shared.a, shared.b = model, torch.nn.Linear(2, 2)
+    shared.b.register_parameter("none", None)
+    shared.c = shared.b  # the same module twice: its parameters once
+
+    class OwnWalk(torch.nn.Linear):  # a class with its own idea of its submodules: its own walk is used
+        def named_modules(self, *args, **kwargs):
+            yield "", self
+
+    shared.d = OwnWalk(2, 2)
+    shared.d.hidden = torch.nn.Linear(2, 2)
+    for m in (model, shared):
+        modules, params = _adapter._modules_and_parameters(m)
+        assert [(n, id(p)) for n, p in params] == [(n, id(p)) for n, p in m.named_parameters()]
+        assert [(n, id(x)) for n, x in modules] == [(n, id(x)) for n, x in m.named_modules()]

@@ -47,6 +47,7 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
            "register_local_autograd_function", "register_decomposition", "pure_rule"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_DisableTF = torch._C.DisableTorchFunctionSubclass
 # Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
 _FUNCTION_BASE_APPLY = torch.autograd.Function.__dict__["apply"]
 
@@ -224,8 +225,17 @@ def _original_apply(cls: type, reg: Registration | None, args: tuple, kwargs: di
 
 def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     reg = _REGISTRY.get(cls)
-    if reg is None or not STATE.checking or reg.kind == "transparent" or not _any_typed(args, kwargs):
+    if reg is None or not STATE.checking or reg.kind == "transparent":
         # A subclass of a registered class is not registered: its forward meets the guard.
+        return _original_apply(cls, reg, args, kwargs)
+    if reg.kind == "rule" and not kwargs:  # the common case (Megatron's Functions): one pass reads the arguments
+        own, typed = _own_types(args)
+        if not typed:
+            return _original_apply(cls, reg, args, kwargs)
+        out_types = _rule_types(cls, reg, args, own)
+        _refuse_global(cls)
+        return _type_outputs(cls, _original_apply(cls, reg, _plain_args(args), kwargs), out_types)
+    if not _any_typed(args, kwargs):
         return _original_apply(cls, reg, args, kwargs)
     if reg.kind == "op":
         return _apply_as_op(cls, reg, args, kwargs)
@@ -239,7 +249,7 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     else:
         out_types = _local_types(cls, args, kwargs)
     _refuse_global(cls)
-    out = _original_apply(cls, reg, _plain(args), _plain_kw(kwargs) if kwargs else kwargs)
+    out = _original_apply(cls, reg, _plain_args(args), _plain_kw(kwargs) if kwargs else kwargs)
     return _type_outputs(cls, out, out_types)
 
 
@@ -263,6 +273,20 @@ def _apply_typecheck_forward(cls: type, reg: Registration, args: tuple, kwargs: 
         return cls.typecheck_forward(*args, **kwargs)
     finally:
         _INSIDE.classes = _INSIDE.classes[:-1]
+
+
+def _plain_args(args: tuple) -> tuple:
+    """``_plain(args)``: a Function's arguments with each typed tensor given as a plain alias."""
+    out = []
+    for a in args:
+        tp = type(a)
+        if tp in _UNTYPED_LEAVES:
+            out.append(a)
+        elif tp in _TYPED_CLASSES:
+            out.append(unwrap(a))
+        else:
+            out.append(_plain(a))
+    return tuple(out)
 
 
 def _plain_kw(kwargs: Mapping[str, Any]) -> dict:
@@ -403,6 +427,31 @@ def _arg_types(cls: type, args: tuple) -> list[Any]:
     return out
 
 
+def _own_types(args: tuple) -> tuple[tuple, bool]:
+    """Per argument: a tensor's own types (None if plain), a list's items (split sizes), else the argument;
+    and whether any argument is typed (:func:`_any_typed`'s answer)."""
+    out = []
+    typed = False
+    for a in args:
+        tp = type(a)
+        if tp in _TYPED_CLASSES:
+            out.append(a._spmd_types)
+            typed = True
+        elif isinstance(a, torch.Tensor):
+            found = getattr(a, "_spmd_types", None)
+            out.append(found)
+            typed = typed or (found is not None and tp not in _UNTYPED_LEAVES)
+        elif tp is list and all(type(x) is int for x in a):
+            out.append((_LIST, tuple(a)))  # split sizes: by value, told apart from a tuple
+        else:
+            out.append(a)
+            typed = typed or ((tp is list or tp is tuple) and _typed(a))
+    return tuple(out), typed
+
+
+_LIST = object()
+
+
 def _takes_shapes(rule: Callable[..., Any]) -> bool:
     import inspect
 
@@ -424,20 +473,25 @@ def pure_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
 _RULE_RESULTS: dict[tuple, Any] = {}
 
 
-def _rule_types(cls: type, reg: Registration, args: tuple) -> Any:
+def _rule_types(cls: type, reg: Registration, args: tuple, own: tuple | None = None) -> Any:
     assert reg.rule is not None
-    arg_types = _arg_types(cls, args)
-    shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args) if reg.rule_shapes else None
+    shapes = None
+    if reg.rule_shapes:
+        with _DisableTF():  # a typed tensor's .shape through __torch_function__ costs microseconds
+            shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
     key = None
     if getattr(reg.rule, "__spmd_pure_rule__", False):
         mesh = current_mesh()
-        key = (cls, reg.rule, tuple(arg_types), shapes, None if mesh is None else mesh.token)
+        # Keyed by the arguments' own types: the types the rule reads (presented on the current mesh) are a
+        # function of them and of the mesh, which its token stands for; presenting them waits for a miss.
+        key = (cls, reg.rule, _own_types(args)[0] if own is None else own, shapes, None if mesh is None else mesh.token)
         try:
             found = _RULE_RESULTS.get(key, _NOT_FOUND)
         except TypeError:  # an unhashable argument (a list of split sizes): asked every time
             found = key = None
         if found is not _NOT_FOUND and key is not None:
             return found
+    arg_types = _arg_types(cls, args)
     STATE.uncacheable = False
     result = reg.rule(*arg_types, shapes=shapes) if reg.rule_shapes else reg.rule(*arg_types)
     if isinstance(result, Rejection):

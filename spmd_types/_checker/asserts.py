@@ -7,6 +7,7 @@ typed code runs as plain PyTorch (erasure).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterable, Iterator, Mapping, TypeVar, Union
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from .._core.async_tensor import settled
 from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
 from .._core.errors import Rejection, op_error
-from .._core.mesh import Axis, current_mesh, resolve_axes
+from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
@@ -22,8 +23,10 @@ from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
+from . import latent
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
-from .latent import apply_remembered, remember, remembered
+from .latent import C10D_WORLD, RECORDS, apply_remembered, remember, remembered
+from .latent import PLAIN as _PLAIN
 from .reading import (  # noqa: F401 - the readers are re-exported here, beside assert_type
     by_region,
     get_axis_local_type,
@@ -34,6 +37,7 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
 )
 from .reading import get_local_type as _typed_local_type
 from .reading import get_partition_spec as _typed_partition_spec
+from .run_ops import _TYPED_CLASSES
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
 
@@ -42,6 +46,7 @@ __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "is_che
            "get_axis_local_type", "maybe_get_axis_local_type"]
 
 T = TypeVar("T")
+_weak = weakref.ref
 TypeSpec = Mapping[Axis, SpmdType]
 
 
@@ -257,10 +262,23 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
-    if not STATE.checking:
-        return remember(t, types, partition_spec)  # applied when typecheck() starts; t stays plain
+    if not STATE.checking:  # erased: recorded for a later typecheck(), t stays plain (latent.py)
+        if type(t) in _PLAIN:  # latent.remember's common case, inline: an erased call is one Python frame
+            stack = _MESHES.stack
+            RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
+                              None if C10D_WORLD is None else C10D_WORLD._default_pg)
+            if len(RECORDS) >= latent.prune_at:
+                latent.prune()
+            return t
+        return remember(t, types, partition_spec)
     if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
         refuse_compile()
+    if type(t) in _TYPED_CLASSES and type(types) is dict:  # the common re-assertion (a parameter every step)
+        old = t._spmd_types
+        out = _refine(t, types, partition_spec)
+        if STATE.tracing:
+            log_op("assert_type", [old], out)
+        return out
     if isinstance(t, (list, tuple)):
         return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
     if isinstance(types, SpmdType):  # one type for every axis of the current mesh

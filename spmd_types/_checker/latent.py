@@ -1,13 +1,24 @@
-"""Types given outside ``typecheck()``: remembered on the plain tensor, applied when checking turns on.
+"""Types given outside ``typecheck()``: remembered for the plain tensor, applied when checking turns on.
 
 The published API types a tensor whenever ``assert_type`` is called, and
 torchtitan calls it at parallelize time (every parameter and buffer) and when
 it annotates a batch, both outside ``typecheck()``. Typing there would make
 those tensors LTensors, which costs every later op a Python call even with
 checking off. So outside checking ``assert_type`` only writes down what it was
-told (the types, the partition spec, the current mesh) on the tensor, which
-stays a plain ``torch.Tensor``; ``typecheck()`` applies every such record when
-it starts. ``has_local_type`` and ``get_local_type`` read a record too.
+told: the raw types and partition spec, with the current mesh and process-group
+world they were given under. Nothing is resolved, checked or looked up then,
+and the tensor stays a plain ``torch.Tensor`` and is not touched (a fresh
+tensor would otherwise grow a ``__dict__``): under a microsecond a call,
+``benchmarks/erased_assert.py``. ``typecheck()`` resolves and applies every
+record when it starts; ``has_local_type`` and ``get_local_type`` resolve one on
+demand (:func:`remembered`).
+
+The records live in one table keyed by the tensor's id, each with a weak
+reference to its tensor (no callback): an entry whose tensor died, or whose id
+now belongs to another tensor, is never read as that tensor's record, and is
+dropped when the table is next pruned, which happens when it has doubled since
+the last pruning. The cost per record stays constant, and a process that never
+checks holds about twice its live recorded tensors at most.
 """
 
 from __future__ import annotations
@@ -16,18 +27,38 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._core.dtensor_hook import is_dtensor
-from .._core.mesh import current_mesh, set_current_mesh
+from .._core.mesh import _MESHES, current_mesh, set_current_mesh
 
-__all__ = ["remember", "apply_remembered", "remembered", "LATENT_ATTR"]
+__all__ = ["remember", "apply_remembered", "remembered", "RECORDS", "PLAIN", "C10D_WORLD", "prune"]
 
-LATENT_ATTR = "_spmd_latent"
-_PENDING: dict[int, weakref.ref] = {}  # id -> the tensors with a record, not yet typed
+# id(tensor) -> (weak reference to it, types, partition spec, mesh, world): what assert_type was told outside
+# typecheck(), not yet applied. An entry counts only while its reference still points at the tensor asked about.
+RECORDS: dict[int, tuple] = {}
+_PRUNE_FLOOR = 1024
+prune_at = _PRUNE_FLOOR
+# torch's process-group world; its ``_default_pg`` (what ``default_pg`` returns, read without the property's
+# call: the erased assert_type reads it on every call) is the current world. tests/test_latent.py checks it.
+C10D_WORLD = dist.distributed_c10d._world if dist.is_available() else None
+_ref = weakref.ref
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these classes: no DTensor, no LTensor, no container
 
 
 def remember(t: Any, types: Any, partition_spec: Any) -> Any:
-    """Record ``types`` on ``t`` (a tensor, a list/tuple of them, or a module's parameters and buffers)."""
+    """Record ``types`` for ``t`` (a tensor, a list/tuple of them, or a module's parameters and buffers).
+
+    A typed tensor keeps its type: every reader looks at ``_spmd_types`` first, so a record made for one (a
+    typed tensor caught with its class swapped to ``torch.Tensor``) is never read.
+    """
+    if type(t) in PLAIN:  # the common case (asserts.assert_type has it inline: keep the two alike)
+        stack = _MESHES.stack
+        RECORDS[id(t)] = (_ref(t), types, partition_spec, stack[-1] if stack else None,
+                          None if C10D_WORLD is None else C10D_WORLD._default_pg)
+        if len(RECORDS) >= prune_at:
+            prune()
+        return t
     if isinstance(t, (list, tuple)):
         for x in t:
             remember(x, types, partition_spec)
@@ -38,37 +69,41 @@ def remember(t: Any, types: Any, partition_spec: Any) -> Any:
         return t
     if not isinstance(t, torch.Tensor) or getattr(t, "_spmd_types", None) is not None or is_dtensor(t):
         return t  # a DTensor carries its layout in its placements: asserted only under checking
-    t.__dict__[LATENT_ATTR] = (types, partition_spec, current_mesh(), _world())
-    key = id(t)
-    _PENDING[key] = weakref.ref(t, lambda _: _PENDING.pop(key, None))
+    RECORDS[id(t)] = (_ref(t), types, partition_spec, current_mesh(), _world())
+    if len(RECORDS) >= prune_at:
+        prune()
     return t
+
+
+def prune() -> None:
+    """Drop the entries of dead tensors; prune again when the table has doubled."""
+    global prune_at
+    for key in [k for k, entry in RECORDS.items() if entry[0]() is None]:
+        del RECORDS[key]
+    prune_at = max(_PRUNE_FLOOR, 2 * len(RECORDS))
 
 
 def _world() -> Any:
     """The current default process group (records belong to the world they were made in), or None."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist.distributed_c10d._get_default_group()
+    return None if C10D_WORLD is None else C10D_WORLD._default_pg
 
 
 def remembered(t: Any) -> tuple | None:
-    """The record on ``t``, or None."""
-    return getattr(t, LATENT_ATTR, None) if isinstance(t, torch.Tensor) else None
+    """The record for ``t``: ``(types, partition_spec, mesh, world)`` as given outside typecheck(), or None."""
+    entry = RECORDS.get(id(t))
+    if entry is None or entry[0]() is not t:
+        return None  # none, or the entry of a dead tensor that had this id
+    return entry[1:]
 
 
 def apply_remembered(assert_type: Any) -> None:
     """Type every tensor that has a record (called as checking turns on), under the mesh it was given with."""
-    while _PENDING:
-        _, ref = _PENDING.popitem()
+    global prune_at
+    while RECORDS:
+        _, (ref, types, spec, mesh, world) = RECORDS.popitem()
         t = ref()
-        if t is None:
-            continue
-        record = t.__dict__.pop(LATENT_ATTR, None)
-        if record is None or getattr(t, "_spmd_types", None) is not None:
-            continue
-        types, spec, mesh, world = record
+        if t is None or getattr(t, "_spmd_types", None) is not None:
+            continue  # dead, or typed since
         if world is not _world():
             continue  # given under another process group world (torn down since): it means nothing here
         if mesh is None or mesh is current_mesh():
@@ -76,3 +111,4 @@ def apply_remembered(assert_type: Any) -> None:
         else:
             with set_current_mesh(mesh, local_axes=mesh.local_axes):
                 assert_type(t, types, spec)
+    prune_at = _PRUNE_FLOOR

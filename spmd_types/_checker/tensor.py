@@ -17,15 +17,16 @@ from .._core.async_tensor import settled
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.spec import format_shape, short_dtype
-from .._core.state import BY_GRADIENT, STATE
+from .._core.state import STATE
 from .._core.types import I, R, TypeMap, V
 from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unregistered_function, watch_apply_output
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
 from .._local.op_registry import OpEntry, entry_for
-from .._local.rules import backward_possible, infer
+from .._local.rules import infer
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
+from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _AUTOGRAD_RUNS,
     _BACKWARD,
@@ -150,7 +151,13 @@ def _typed_call(func, args, kwargs):
         onto_current_mesh(func, args, kwargs)
     key = [func]
     for a in args:
-        key.append(a._spmd_types if type(a) in _TYPED_CLASSES else _marker(a))
+        tp = type(a)
+        if tp in _TYPED_CLASSES:
+            key.append(a._spmd_types)
+        elif tp is int:  # _marker's answer, without the call (sizes and dims)
+            key.append(_ZERO if a == 0 else _NUMBER)
+        else:
+            key.append(_marker(a))
     if kwargs:
         for k, v in kwargs.items():
             key.append(k)
@@ -158,16 +165,17 @@ def _typed_call(func, args, kwargs):
     key = tuple(key)
     cache = _CACHES[STATE.strict]
     out_types = cache.get(key, _MISSING)
-    if out_types is _BY_GRADIENT:  # this signature's answer also depends on which operands carry a gradient
-        out_types = cache.get((key, _gradient_bits(args, kwargs)), _MISSING)
+    if type(out_types) is Keyed:  # this signature's answer also depends on gradient bits or the current mesh
+        out_types = cache.get(more_key(out_types, key, args, kwargs), _MISSING)
     if out_types is _MISSING:
         STATE.uncacheable = False
         out_types = _infer_or_raise(func, args, kwargs, key)
         if not STATE.uncacheable:
             cache[key] = out_types
-        elif STATE.uncacheable is BY_GRADIENT:  # a gradient-free acceptance: cached with the gradient bits
-            cache[key] = _BY_GRADIENT
-            cache[(key, _gradient_bits(args, kwargs))] = out_types
+        elif STATE.uncacheable is not True:  # cached with what else it read (gradient bits, the mesh)
+            keyed = keyed_by(STATE.uncacheable)
+            cache[key] = keyed
+            cache[more_key(keyed, key, args, kwargs)] = out_types
     if STATE.tracing:
         log_op(entry_for(func).display, list(args) + list(kwargs.values()), out_types)
     if STATE.global_mode and out_types is not None:
@@ -184,27 +192,11 @@ def _typed_call(func, args, kwargs):
             out = func(*args, **kwargs)
     if out_types is None:
         return out
+    if type(out) is torch.Tensor:  # _wrap's common case, without the call
+        out.__class__ = LTensor
+        out._spmd_types = out_types
+        return out
     return _wrap(out, out_types)
-
-
-def _gradient_bits(args, kwargs) -> tuple:
-    """Which tensor operands carry a gradient (the rules' ``Operand.grad``), in order, and whether any can."""
-    bits = [backward_possible()]
-
-    def visit(a: Any) -> None:
-        if isinstance(a, torch.Tensor):
-            bits.append(a.requires_grad)
-        elif type(a) is list or type(a) is tuple:
-            for x in a:
-                visit(x)
-
-    with _DisableTF():
-        for a in (*args, *kwargs.values()):
-            visit(a)
-    return tuple(bits)
-
-
-_BY_GRADIENT = object()  # in the result cache: look again with the gradient bits
 
 
 def _register_typed_hook(func, args, kwargs):
@@ -355,8 +347,8 @@ def _marker(a: Any) -> Any:
         if found is not None:
             return found
         return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
-    if tp is list or tp is tuple:
-        return tuple(_marker(x) for x in a)
+    if tp is list or tp is tuple:  # sizes mostly (split, view): numbers marked without a call each
+        return tuple((_ZERO if x == 0 else _NUMBER) if type(x) is int else _marker(x) for x in a)
     if tp is str:  # a mode argument can decide linearity (scatter_reduce's reduce="sum" vs "amax")
         return a
     return None
@@ -592,7 +584,7 @@ def _type_grad(param: torch.Tensor) -> None:
     with _DisableTF():  # a typed parameter's .grad through __torch_function__ costs microseconds
         grad = param.grad
     types = getattr(param, "_spmd_types", None)
-    if types is not None:
+    if types is not None and STATE.strict:
         check_typed_root(param, types)  # strict mode: no backward from an untyped loss
     if grad is None or types is None:
         return
@@ -600,6 +592,6 @@ def _type_grad(param: torch.Tensor) -> None:
     if getattr(grad, "_spmd_types", None) is back:
         return
     if type(grad) not in _TYPED_CLASSES:
-        grad.__class__ = _typed_class_for(grad)
+        grad.__class__ = LTensor if type(grad) is torch.Tensor else _typed_class_for(grad)
     grad._spmd_types = back
     mark_grad(grad, param)

@@ -27,11 +27,34 @@ __all__ = ["move_types", "move_spec", "rehome", "GroupMove"]
 GroupMove = tuple[tuple[str, ...], tuple[str, ...]]  # (source names, target names), outermost first
 
 
-def move_types(types: TypeMap, target: Space) -> tuple[TypeMap, list[GroupMove]] | str:
-    """``types`` on ``target``'s axes, with the groups that moved; or why it cannot move."""
+def move_types(types: TypeMap, target: Space) -> tuple[TypeMap, Sequence[GroupMove]] | str:
+    """``types`` on ``target``'s axes, with the groups that moved (not to be mutated); or why it cannot move.
+
+    A pure function of two interned values (a type map and a space: the same object for the same content,
+    never changed), so its answer is remembered per pair: an op on a tensor typed on the other mesh of an MoE
+    layer asks it on every call.
+    """
     source = types.space
     if source is None or source is target:
         return types, [(a, a) for a in ((n,) for n in types.axes())]
+    key = (types, target)
+    found = _MOVED.get(key)
+    if found is None:
+        found = _move_types(types, target)
+        if not isinstance(found, str):
+            found = (found[0], tuple(found[1]))
+        if len(_MOVED) >= 4096:
+            _MOVED.clear()
+        _MOVED[key] = found
+    return found
+
+
+_MOVED: dict[tuple[TypeMap, Space], tuple[TypeMap, tuple[GroupMove, ...]] | str] = {}
+
+
+def _move_types(types: TypeMap, target: Space) -> tuple[TypeMap, list[GroupMove]] | str:
+    """:func:`move_types` worked out (``types`` on another space than ``target``)."""
+    source = types.space
     by_region: dict[object, str] = {region: name for name, region in target.pairs}
     out: dict[str, SpmdType] = {}
     moves: list[GroupMove] = []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["STATE", "is_type_checking", "TYPE_CHECKING", "BY_GRADIENT"]
+__all__ = ["STATE", "is_type_checking", "TYPE_CHECKING", "BY_GRADIENT", "BY_MESH", "BY_GRADIENT_AND_MESH",
+           "mark_uncacheable"]
 
 
 class _CheckState(threading.local):
@@ -29,6 +30,23 @@ class _CheckState(threading.local):
 
 STATE = _CheckState()
 BY_GRADIENT = "by gradient"  # STATE.uncacheable: the answer also read which operands carry a gradient
+BY_MESH = "by mesh"  # STATE.uncacheable: the answer also read the current mesh (operands moved onto it)
+BY_GRADIENT_AND_MESH = "by gradient and mesh"  # both of the above
+_KEYED = {BY_GRADIENT: {BY_GRADIENT}, BY_MESH: {BY_MESH}, BY_GRADIENT_AND_MESH: {BY_GRADIENT, BY_MESH}}
+
+
+def mark_uncacheable(reason: bool | str) -> None:
+    """Record that the answer being worked out read more than its cache key: ``True`` (anything, never
+    cached), or ``BY_GRADIENT`` / ``BY_MESH`` (that only: a cache adds the operands' gradient bits, or the
+    current mesh's token, to its key); the two together are ``BY_GRADIENT_AND_MESH``."""
+    have = STATE.uncacheable
+    if have is True or reason is True:
+        STATE.uncacheable = True
+    elif have is False:
+        STATE.uncacheable = reason
+    else:
+        both = _KEYED[have] | _KEYED[reason]  # type: ignore[index]
+        STATE.uncacheable = BY_GRADIENT_AND_MESH if len(both) == 2 else reason
 
 
 def is_type_checking() -> bool:

@@ -18,7 +18,7 @@ import torch
 from .._core.errors import Rejection
 from .._core.mesh import current_mesh
 from .._core.spaces import move_types
-from .._core.state import BY_GRADIENT, STATE
+from .._core.state import BY_GRADIENT, BY_MESH, mark_uncacheable
 from .._core.types import I, P, R, SpmdType, TypeMap, V
 from .op_registry import OpEntry
 from .rules_table import RuleKind
@@ -229,9 +229,9 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
             return result
         if result is not None:
             out.append((axis, result))
-    if relaxed and not STATE.uncacheable:
+    if relaxed:
         # accepted only because some operands carry no gradient: cacheable by types and those operands' gradients
-        STATE.uncacheable = BY_GRADIENT
+        mark_uncacheable(BY_GRADIENT)
     return TypeMap.of(out, next((op.types.space for op in typed if op.types.space is not None), None))
 
 
@@ -242,15 +242,15 @@ def infer(entry: OpEntry, args: Sequence[Any], kwargs: dict[str, Any], strict: b
 def _onto_one_mesh(entry: OpEntry, typed: list[Operand]) -> Rejection | None:
     """Move operands typed on another mesh onto the current one (``reinterpret_mesh``'s rule), or refuse.
 
-    Only when the spaces differ; the result then depends on the current mesh,
-    so it is not cached by types.
+    Only when the spaces differ; the result then depends on the current mesh too,
+    so it is cached by types and the mesh (``BY_MESH``).
     """
     spaces = {op.types.space for op in typed if op.types.space is not None}  # type: ignore[union-attr]
     if len(spaces) <= 1:
         return None
     mesh = current_mesh()
     target = mesh.space if mesh is not None else typed[0].types.space  # type: ignore[union-attr]
-    STATE.uncacheable = True
+    mark_uncacheable(BY_MESH)
     for op in typed:
         have = op.types
         if have.space is None or have.space is target:  # type: ignore[union-attr]

@@ -305,21 +305,22 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
     if m is None:
         raise ValueError("spmd_megatron.type_parameters: no mesh is current: wrap it in "
                          "spmd.set_current_mesh(spmd_megatron.mesh())")
-    layers = moe_layers(model)
+    modules, params = _modules_and_parameters(model)
+    layers = moe_layers(model, modules)
     experts = {id(p) for _, layer in layers if layer.experts is not None for p in layer.experts.parameters()}
     typed: dict[str, dict[str, SpmdType]] = {}
     if layers:
         emesh = mesh(expert=True)
-        install_expert_mesh_hooks(model, layer_mesh(mesh(), emesh))
+        install_expert_mesh_hooks(model, layer_mesh(mesh(), emesh), layers)
         with set_current_mesh(emesh) as em:
             own = tuple(a for a in em.axis_names if a in ("edp", "ep", "etp"))
             shared = tuple(a for a in em.axis_names if a not in own)  # pp: the same axis on both meshes
-            for name, p in model.named_parameters():
+            for name, p in params:
                 if id(p) in experts:
                     typed[name] = {**expert_parameter_types(p, own), **parameter_types(p, shared)}
                     assert_type(p, typed[name])
                     p.__dict__.setdefault("_spmd_name", name)
-    for name, p in model.named_parameters():
+    for name, p in params:
         if id(p) in experts:
             continue
         types = parameter_types(p, m.axis_names)
@@ -327,6 +328,22 @@ def type_parameters(model: torch.nn.Module) -> dict[str, dict[str, SpmdType]]:
         p.__dict__.setdefault("_spmd_name", name)
         typed[name] = types
     return typed
+
+
+def _modules_and_parameters(model: torch.nn.Module) -> tuple[list, list]:
+    """``model.named_modules()`` and ``model.named_parameters()`` (the same names, order and deduplication) from
+    one walk of the module tree: type_parameters runs every step in some loops, and a walk is most of its cost."""
+    modules = list(model.named_modules())
+    if type(model).named_parameters is not torch.nn.Module.named_parameters:
+        return modules, list(model.named_parameters())  # a model with its own idea of its parameters
+    params, seen = [], set()
+    for prefix, module in modules:
+        for name, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append((prefix + ("." if prefix else "") + name, p))
+    return modules, params
 
 
 def track_grad_sync(model: torch.nn.Module, mesh_: dict[str, Any] | None = None) -> Any:

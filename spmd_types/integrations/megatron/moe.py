@@ -169,13 +169,15 @@ def moe_table() -> list[tuple[type, dict[str, Any], str]]:
     """(Function, registration keywords, what its code does) for every Function in megatron.core.transformer.moe."""
     from megatron.core.transformer.moe import fused_a2a, moe_utils
 
+    from ..._boundaries.autograd_functions import pure_rule  # its rules read their arguments' types only
+
     table: list[tuple[type, dict[str, Any], str]] = [
         (moe_utils.RouterGatingLinearFunction, dict(transparent=True),
          "forward: the router's logits, input @ weight.T (+ bias) in router_dtype; backward: its true derivative"),
-        (moe_utils.MoEAuxLossAutoScaler, dict(rule=_aux_loss_rule),
+        (moe_utils.MoEAuxLossAutoScaler, dict(rule=pure_rule(_aux_loss_rule)),
          "forward: identity on the activation, saves aux_loss; backward: the activation's gradient, and ones "
          "(times the main loss's scale) for aux_loss"),
-        (moe_utils.RandomSTE, dict(rule=_random_ste_rule),
+        (moe_utils.RandomSTE, dict(rule=pure_rule(_random_ste_rule)),
          "forward: random logits with a per-rank seed; backward: identity (straight-through)"),
     ]
     for cls in (fused_a2a.FusedDispatch, fused_a2a.FusedCombine, fused_a2a.HybridEPDispatch,
@@ -249,11 +251,12 @@ def check_load_balancing() -> None:
 # expert parameters and the expert mesh inside MoE layers
 
 
-def moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every Megatron ``MoELayer`` in ``model``, with its qualified name."""
+def moe_layers(model: torch.nn.Module, modules: list | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """Every Megatron ``MoELayer`` in ``model``, with its qualified name (``modules``: ``model.named_modules()``
+    already walked)."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, BaseMoELayer)]
+    return [(n, m) for n, m in (model.named_modules() if modules is None else modules) if isinstance(m, BaseMoELayer)]
 
 
 def expert_parameter_types(param: torch.nn.Parameter, axes: tuple[str, ...]) -> dict[str, SpmdType]:
@@ -314,10 +317,11 @@ class _ExpertMeshHooks:
         return back(output)
 
 
-def install_expert_mesh_hooks(model: torch.nn.Module, mesh: dict[str, Any]) -> int:
-    """Make ``mesh`` (the expert mesh) current inside every MoE layer of ``model`` (idempotent); returns the count."""
+def install_expert_mesh_hooks(model: torch.nn.Module, mesh: dict[str, Any], layers: list | None = None) -> int:
+    """Make ``mesh`` (the expert mesh) current inside every MoE layer of ``model`` (idempotent); returns the count.
+    ``layers``: ``moe_layers(model)`` already found."""
     count = 0
-    for _, layer in moe_layers(model):
+    for _, layer in moe_layers(model) if layers is None else layers:
         hooks = layer.__dict__.get("_spmd_expert_hooks")
         if hooks is not None:
             hooks.mesh = mesh
