@@ -159,3 +159,35 @@ def test_rank_argument_errors(kwargs, message):
         pass
     assert str(err.value) == message
     assert not dist.is_initialized()
+
+
+def test_local_ranks_read_their_own_rank_from_every_group():
+    # torchtitan's embedding and loss slice by dist.get_rank(group), Megatron by group.rank(): under
+    # ranks="local" each simulated rank reads its own index (torch's simulator alone answers 0 on 2.13).
+    from spmd_types.testing import rank_values
+
+    _no_group()
+    with simulate((2, 2), ("dp", "tp"), ranks="local", device="cpu") as mesh:
+        tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+        seen = per_rank(lambda r: torch.zeros(6, dtype=torch.long))
+        seen[0] += dist.get_rank(tp)
+        seen[1] += dist.get_rank(dp)
+        seen[2] += tp.rank()
+        seen[3] += dist.get_world_size(tp)
+        seen[4] += dist.get_rank()
+        seen[5] += dist.get_world_size()
+        assert {r: v.tolist() for r, v in rank_values(seen).items()} == {
+            0: [0, 0, 0, 2, 0, 4], 1: [1, 0, 1, 2, 1, 4], 2: [0, 1, 0, 2, 2, 4], 3: [1, 1, 1, 2, 3, 4]}
+        # min and max of per-rank ints run rank by rank (torchtitan's loss: min(vocab, start + chunk))
+        start = 3 * dist.get_rank(tp)
+        bounds = per_rank(lambda r: torch.zeros(4, dtype=torch.long))
+        bounds[0] += min(4, start + 3)
+        bounds[1] += max(0, start - 1)
+        bounds[2] += min([5, start])
+        bounds[3] += max(start, 1)
+        assert [v.tolist() for v in rank_values(bounds).values()] == [[3, 0, 0, 1], [4, 2, 3, 3]] * 2
+    assert dist.get_rank.__module__ == "torch.distributed.distributed_c10d"  # put back on exit
+    assert type(min).__name__ == type(max).__name__ == "builtin_function_or_method"  # the builtins back
+    _no_group()
+    with simulate((2,), ("tp",)) as mesh:  # one rank's program (ranks="fake"): that rank's answers
+        assert dist.get_rank(mesh.get_group("tp")) == 0 and mesh.get_group("tp").rank() == 0

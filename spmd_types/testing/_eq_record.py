@@ -7,10 +7,6 @@ names, every rank's value (a float64 copy, taken at once: later in-place ops do 
 the user's source line that produced it. The source lines come from a torch-function mode that,
 for every op the step runs, notes the innermost frame outside ``spmd_types``, torch and the
 standard library: the same rule as the ``at:`` line of an ``SpmdTypeError``.
-
-Simulated ranks read their rank from process groups: :func:`per_rank_group_ranks` makes
-``group.rank()`` of a sub-group answer per simulated rank (Megatron-core slices its vocabulary and
-sequence chunks by it).
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from .._core.errors import _PKG_DIR
 from .._core.types import SpmdType
 from ._simulate import rank_values
 
-__all__ = ["Snapshot", "Recorder", "per_rank_group_ranks", "snapshot", "format_source", "module_names"]
+__all__ = ["Snapshot", "Recorder", "snapshot", "format_source", "module_names"]
 
 Where = tuple  # (filename, line number)
 
@@ -263,51 +259,3 @@ def format_source(where: Where | None) -> str | None:
     except ValueError:
         pass
     return f"{shown}:{line}: {code}"
-
-
-# ---------------------------------------------------------------------------
-# ranks read from process groups
-
-
-def _group_index(group: Any, ranks: frozenset[int]) -> Any:
-    from torch.distributed._local_tensor import LocalIntNode
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-    members, offsets, _ = _prepare_collective_groups(group)
-    index = {o + r: i for o in offsets for i, r in enumerate(members)}
-    values = {r: index[r] for r in ranks}
-    if len(set(values.values())) == 1:
-        return next(iter(values.values()))
-    return torch.SymInt(LocalIntNode(values))
-
-
-@contextlib.contextmanager
-def per_rank_group_ranks() -> Iterator[None]:
-    """Inside: under ``LocalTensorMode``, ``group.rank()`` of a sub-group is each simulated rank's own index.
-
-    The default group keeps answering rank 0 (``torch.distributed`` itself asks it while making
-    groups). The index is a per-rank ``SymInt``: arithmetic and slicing with it run per rank; a
-    Python branch on it (``if group.rank() == 0``) cannot be simulated.
-    """
-    import torch.distributed as dist
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
-    saved = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
-    original = dist.ProcessGroup.rank
-    cache: dict[tuple[int, frozenset], Any] = {}
-
-    def rank(self: Any) -> Any:
-        lm = enabled_local_tensor_mode()
-        if lm is None or not dist.is_initialized() or self is dist.group.WORLD or self.size() == 1:
-            return original(self)
-        key = (id(self), frozenset(lm.ranks))
-        if key not in cache:
-            cache[key] = (self, _group_index(self, frozenset(lm.ranks)))  # the group kept alive: ids stay unique
-        return cache[key][1]
-
-    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        dist.ProcessGroup.rank = saved  # type: ignore[method-assign]
-

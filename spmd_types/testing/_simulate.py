@@ -6,13 +6,14 @@ without importing each other in a cycle.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import math
 from typing import Any, Callable, Iterator, Literal
 
 import torch
 
-__all__ = ["simulate", "per_rank", "rank_values"]
+__all__ = ["simulate", "per_rank", "rank_values", "ranks_read_per_rank"]
 
 
 def per_rank(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
@@ -64,6 +65,11 @@ def simulate(
     the wrong device. On exit the mode, the mesh and a process group this
     call created are torn down.
 
+    With ``ranks="local"``, code that reads its rank reads each simulated rank's own:
+    ``dist.get_rank(group)``, ``dist.get_rank()`` and ``group.rank()`` answer a per-rank int
+    (:func:`ranks_read_per_rank`), so torchtitan's vocab-parallel embedding and Megatron's
+    vocabulary slicing run as on real ranks. ``dist.get_world_size(group)`` is the group's size.
+
     ``rank`` (with ``ranks="fake"``) is the rank whose program runs: this
     process joins the fake group as that rank, so its coordinates on the mesh,
     its groups' ranks and ``spmd.axis_index`` are that rank's. A program that
@@ -105,6 +111,7 @@ def simulate(
                 from torch.distributed._local_tensor import LocalTensorMode
 
                 stack.enter_context(LocalTensorMode(world))
+                stack.enter_context(ranks_read_per_rank())
             stack.enter_context(torch.device(device))
             stack.enter_context(set_current_mesh(mesh))
             yield mesh
@@ -130,3 +137,99 @@ def _fake_world(size: int, rank: int = 0) -> bool:
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
     return True
+
+
+# ---------------------------------------------------------------------------
+# ranks read from process groups, per simulated rank
+
+
+def _group_index(group: Any, ranks: frozenset[int]) -> Any:
+    """Each simulated rank's index in its copy of ``group`` (torch's simulator lays groups out by offset)."""
+    from torch.distributed._local_tensor import LocalIntNode
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    members, offsets, _ = _prepare_collective_groups(group)
+    index = {o + r: i for o in offsets for i, r in enumerate(members)}
+    values = {r: index[r] for r in ranks}
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return torch.SymInt(LocalIntNode(values))
+
+
+@contextlib.contextmanager
+def ranks_read_per_rank() -> Iterator[None]:
+    """Inside, under ``LocalTensorMode``: ``group.rank()`` and ``dist.get_rank(group)`` answer per simulated rank.
+
+    The answer is a per-rank ``SymInt``: arithmetic, slicing, ``min`` and ``max`` run per rank (inside,
+    the builtins ``min`` and ``max`` fall back to picking rank by rank where the ranks' ints compare
+    differently), as do comparisons that come out the same on every rank; a Python branch that differs per rank
+    (``if dist.get_rank(group) == 0``) cannot be simulated. ``group.rank()`` of the default group
+    keeps answering rank 0 (``torch.distributed`` asks it while making groups); ``dist.get_rank()``
+    answers each rank's global rank, as torch 2.14's simulator does (there it patches
+    ``dist.get_rank`` itself, and this leaves it alone).
+    """
+    import torch.distributed as dist
+    import torch.distributed._local_tensor as local
+
+    saved_rank = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
+    original_rank = dist.ProcessGroup.rank
+    cache: dict[tuple[int, frozenset], Any] = {}
+
+    def index_in(group: Any) -> Any:
+        lm = local.enabled_local_tensor_mode()
+        key = (id(group), frozenset(lm.ranks))
+        if key not in cache:
+            cache[key] = (group, _group_index(group, frozenset(lm.ranks)))  # the group kept alive: ids stay unique
+        return cache[key][1]
+
+    def rank(self: Any) -> Any:
+        if local.enabled_local_tensor_mode() is None or self is dist.group.WORLD or self.size() == 1:
+            return original_rank(self)
+        return index_in(self)
+
+    own_get_rank = not hasattr(local, "_LocalDist")  # torch 2.14's LocalTensorMode answers dist.get_rank itself
+    original_get_rank = dist.get_rank
+
+    def get_rank(group: Any = None) -> Any:
+        lm = local.enabled_local_tensor_mode()
+        if lm is None or not dist.is_initialized():
+            return original_get_rank(group)
+        if group is None or group is dist.group.WORLD:
+            return torch.SymInt(local.LocalIntNode({r: r for r in lm.ranks}))
+        return index_in(group)
+
+    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
+    if own_get_rank:
+        dist.get_rank = get_rank
+    builtin_min, builtin_max = builtins.min, builtins.max
+    builtins.min, builtins.max = _per_rank_extreme(builtin_min), _per_rank_extreme(builtin_max)
+    try:
+        yield
+    finally:
+        builtins.min, builtins.max = builtin_min, builtin_max
+        dist.ProcessGroup.rank = saved_rank  # type: ignore[method-assign]
+        if own_get_rank:
+            dist.get_rank = original_get_rank
+
+
+def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
+    """``min`` or ``max`` that, where per-rank ints compare differently on different ranks, picks rank by rank.
+
+    torchtitan's loss takes ``min(vocab_size, start + chunk)`` of a per-rank ``start``: the last rank's
+    bound is the vocabulary size, the others' their chunk's end. Other calls run the builtin unchanged.
+    """
+    def extreme(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return pick(*args, **kwargs)
+        except AssertionError:  # a LocalIntNode comparison that differs per rank
+            from torch.distributed._local_tensor import LocalIntNode, _int_on_rank, enabled_local_tensor_mode
+
+            lm = enabled_local_tensor_mode()
+            items = list(args[0]) if len(args) == 1 else list(args)
+            nodes = [x.node if isinstance(x, torch.SymInt) else x for x in items]
+            if lm is None or kwargs or not any(isinstance(n, LocalIntNode) for n in nodes):
+                raise
+            values = {r: pick(_int_on_rank(n, r) for n in nodes) for r in lm.ranks}
+            return torch.SymInt(LocalIntNode(values))
+
+    return extreme

@@ -20,7 +20,7 @@ import torch
 
 from .._core.dtensor_hook import is_dtensor
 from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, tolerance
-from ._eq_record import Recorder, Snapshot, format_source, per_rank_group_ranks, snapshot
+from ._eq_record import Recorder, Snapshot, format_source, snapshot
 from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NotCompared
 from ._simulate import rank_values, simulate
 
@@ -174,8 +174,6 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
     with contextlib.ExitStack() as stack:
         stack.enter_context(_default_dtype(dtype))
         mesh = stack.enter_context(simulate(shape, spec.names, ranks="local", device="cpu"))
-        if parallel:
-            stack.enter_context(per_rank_group_ranks())
         info = run.mesh = MeshInfo.of(mesh)
         torch.manual_seed(spec.seed)
         with spmd.typecheck():
