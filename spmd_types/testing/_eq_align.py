@@ -12,14 +12,14 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import I, P, R, SpmdType
-from ._eq_record import Snapshot, _dtensor_types
+from ._eq_record import Snapshot, _dtensor_types, types_on
 from ._simulate import _coords, _outside_simulation, per_rank
 
 __all__ = ["MeshInfo", "Assembled", "load_parameters", "local_batch", "assemble", "assemble_layout", "tolerance", "match",
@@ -41,12 +41,13 @@ class MeshInfo:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     coords: dict[int, tuple[int, ...]]
+    device_mesh: Any = field(default=None, compare=False)  # the run's DeviceMesh (types are read on it)
 
     @classmethod
     def of(cls, mesh: Any) -> MeshInfo:
         layout = mesh.mesh
         coords = {int(layout[c]): c for c in _coords(layout.shape)}
-        return cls(tuple(mesh.mesh_dim_names), tuple(layout.shape), coords)
+        return cls(tuple(mesh.mesh_dim_names), tuple(layout.shape), coords, mesh)
 
     def coord_dict(self, rank: int) -> dict[str, int]:
         return dict(zip(self.names, self.coords[rank]))
@@ -88,17 +89,15 @@ def _cut(full: torch.Tensor, types: Mapping[str, SpmdType], mesh: MeshInfo, rank
     return x
 
 
-def _param_types(p: torch.Tensor, names: tuple[str, ...]) -> dict[str, SpmdType] | None:
-    from .._checker.asserts import get_type
-
+def _param_types(p: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
     if is_dtensor(p):
-        types, _ = _dtensor_types(p, names)
+        types, _ = _dtensor_types(p, tuple(mesh.mesh_dim_names))
         if types is None:  # a DTensor on a sub-mesh: the axes it does not name hold whole copies
             from ..integrations.dtensor.placements import placement_to_type
 
             types = dict(zip(p.device_mesh.mesh_dim_names or (), map(placement_to_type, p.placements)))
         return types
-    return get_type(p)
+    return types_on(p, mesh)
 
 
 def _store(p: torch.Tensor, name: str, parallel: bool) -> dict[int, torch.Tensor]:
@@ -125,7 +124,7 @@ def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, to
                              f"model built on the one-device mesh (its parameters: {known}, ...)")
         full, layout = initial[name], match(layouts, name)
         store = _store(p, name, parallel)
-        types = None if (layout is not None or not parallel) else _param_types(p, mesh.names)
+        types = None if (layout is not None or not parallel) else _param_types(p, mesh.device_mesh)
         if parallel and layout is None and types is None:
             raise ValueError(
                 f"check_equivalence loads each parallel parameter from the reference by its type, but parameter "

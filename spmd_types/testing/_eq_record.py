@@ -27,7 +27,7 @@ from .._core.errors import _PKG_DIR
 from .._core.types import SpmdType
 from ._simulate import rank_values
 
-__all__ = ["Snapshot", "Recorder", "snapshot", "format_source", "module_names"]
+__all__ = ["Snapshot", "Recorder", "snapshot", "types_on", "format_source", "module_names"]
 
 Where = tuple  # (filename, line number)
 
@@ -76,17 +76,30 @@ def _dtensor_types(t: Any, names: tuple[str, ...]) -> tuple[dict[str, SpmdType] 
     return types, None
 
 
-def snapshot(t: torch.Tensor, key: str, kind: str, names: tuple[str, ...], *, module: str | None = None,
+def types_on(t: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
+    """``t``'s types presented on ``mesh`` (typed on another presentation of the same ranks, such as an
+    expert mesh whose ``ep`` runs over the ranks of ``tp``: moved onto ``mesh``'s axes by region)."""
+    from .._checker.reading import present
+    from .._core.mesh import set_current_mesh
+
+    if getattr(t, "_spmd_types", None) is None:
+        return None
+    with set_current_mesh(mesh):
+        types, _ = present(t, "check_equivalence", strict=False)
+    return types.as_dict()
+
+
+def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | None = None,
              source: Where | None = None) -> Snapshot:
-    """Record ``t``: its types on the mesh axes ``names``, its partition-spec dims, every rank's value."""
-    from .._checker.asserts import get_partition_spec, get_type
+    """Record ``t``: its types on ``mesh``'s axes, its partition-spec dims, every rank's value."""
+    from .._checker.asserts import get_partition_spec
 
     snap = Snapshot(key, kind, module=module, source=source)
     if is_dtensor(t):
-        snap.types, snap.why_not = _dtensor_types(t, names)
+        snap.types, snap.why_not = _dtensor_types(t, tuple(mesh.mesh_dim_names))
         snap.values = _plain_values(t._local_tensor)
         return snap
-    types = get_type(t)
+    types = types_on(t, mesh)
     snap.values = _plain_values(t)
     if types is None:
         snap.why_not = "untyped (give it a type with spmd.assert_type, or type the module's output)"
@@ -119,8 +132,8 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
 class Recorder:
     """Hooks every submodule of ``model``; ``outputs`` lists their snapshots in the order forwards finish."""
 
-    def __init__(self, model: torch.nn.Module, names: tuple[str, ...], *, sources: bool, dtype: torch.dtype) -> None:
-        self.names = names
+    def __init__(self, model: torch.nn.Module, mesh: Any, *, sources: bool, dtype: torch.dtype) -> None:
+        self.mesh = mesh
         self.precision = dtype  # lowered when an op of the step returns a float tensor of less precision
         self.outputs: list[Snapshot] = []
         self._calls: dict[str, int] = {}
@@ -138,7 +151,7 @@ class Recorder:
             leaves = _tensor_leaves(output)
             for i, t in enumerate(leaves):
                 key = base if len(leaves) == 1 else f"{base}[{i}]"
-                snap = snapshot(t, key, "output", self.names, module=name, source=self.source_of(t))
+                snap = snapshot(t, key, "output", self.mesh, module=name, source=self.source_of(t))
                 snap.precision = self.precision
                 self.outputs.append(snap)
 

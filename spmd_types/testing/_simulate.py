@@ -112,6 +112,7 @@ def simulate(
 
                 stack.enter_context(LocalTensorMode(world))
                 stack.enter_context(ranks_read_per_rank())
+                stack.enter_context(_per_rank_ints_have_hints())
             stack.enter_context(torch.device(device))
             stack.enter_context(set_current_mesh(mesh))
             yield mesh
@@ -233,3 +234,22 @@ def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
             return torch.SymInt(LocalIntNode(values))
 
     return extreme
+
+
+@contextlib.contextmanager
+def _per_rank_ints_have_hints() -> Iterator[None]:
+    """A per-rank int (``LocalIntNode``) holds concrete values: it has a hint (torch 2.13 lacks ``has_hint``).
+
+    An expert-parallel token exchange makes tensors whose length differs per rank; indexing one asks
+    its size for a hint. torch 2.14's ``LocalIntNode`` answers; on 2.13 it is added for the simulation.
+    """
+    from torch.distributed._local_tensor import LocalIntNode
+
+    added = not hasattr(LocalIntNode, "has_hint")
+    if added:
+        LocalIntNode.has_hint = lambda self: True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if added:
+            del LocalIntNode.has_hint  # type: ignore[attr-defined]

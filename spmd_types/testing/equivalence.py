@@ -184,7 +184,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         if start is not None:
             load_parameters(params, start, info, spec.layouts if parallel else None, parallel=parallel)
         run.initial = {n: _whole(p) for n, p in params.items()}
-        recorder = Recorder(model, spec.names, sources=parallel, dtype=dtype)
+        recorder = Recorder(model, mesh, sources=parallel, dtype=dtype)
         batch = None
         try:
             with spmd.typecheck():
@@ -195,7 +195,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         finally:
             recorder.remove()
             run.outputs = recorder.outputs
-        _record_end(run, model, loss, recorder, spec.names)
+        _record_end(run, model, loss, recorder, mesh)
     return run
 
 
@@ -208,17 +208,17 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
         return base.detach().clone()
 
 
-def _record_end(run: _Run, model: torch.nn.Module, loss: Any, recorder: Recorder, names: tuple[str, ...]) -> None:
+def _record_end(run: _Run, model: torch.nn.Module, loss: Any, recorder: Recorder, mesh: Any) -> None:
     if isinstance(loss, torch.Tensor):
-        run.loss = snapshot(loss, "loss", "loss", names, source=recorder.source_of(loss))
+        run.loss = snapshot(loss, "loss", "loss", mesh, source=recorder.source_of(loss))
     else:
         run.loss = Snapshot("loss", "loss", why_not=f"step returned {type(loss).__name__}, not a tensor")
     run.loss.precision = recorder.precision
     for name, p in model.named_parameters():
         if p.grad is not None:
-            run.grads.append(snapshot(p.grad, name, "grad", names, source=recorder.source_of(p.grad)))
+            run.grads.append(snapshot(p.grad, name, "grad", mesh, source=recorder.source_of(p.grad)))
             run.grads[-1].precision = recorder.precision
-        after = snapshot(p, name, "param", names, source=recorder.source_of(p))
+        after = snapshot(p, name, "param", mesh, source=recorder.source_of(p))
         after.precision = recorder.precision
         run.params.append(after)
         if run.initial is not None and not run.changed:
