@@ -102,8 +102,10 @@ def test_a_correct_step_is_ok_and_compares_every_kind_in_order():
                    + [("param", n) for n in params])
     # fc2's output is a partial sum typed V: no dim of it makes the reference's shape, so it is not guessed at
     assert [(n.kind, n.name, n.reason) for n in report.not_compared] == [
-        ("output", "fc2", "V on 'tp' with no dim that makes the reference's shape [4, 8] from the local [2, 8]: its "
-                          "layout is unknown")]
+        ("output", "fc2", "V on 'tp' whose pieces make the reference's shape [4, 8] on no dim (local [2, 8]): a "
+                          "pending sum typed V (local SPMD's row-parallel product) has no layout to reassemble, and "
+                          "the value after its reduction is compared; to compare it too, type it P "
+                          "(spmd.reinterpret(x, 'tp', src=spmd.V, dst=spmd.P))")]
     for c in report.compared:
         assert c.max_abs_error <= c.tolerance and c.ranks == () and c.reference_norm > 0
 
@@ -393,8 +395,7 @@ def test_an_ambiguous_v_is_not_compared_with_its_reason():
         "V on 'dp' and 'tp': the shapes (local [2, 2], reference [4, 4]) fit several layouts ({dp: 0, tp: 1}, "
         "{dp: 1, tp: 0}); name the dims with output_dims={'decoder.mlp': {axis: dim}}")
     got = assemble(_snap({"dp": R, "tp": V}, pieces), MESH, (4, 4), None, 0.0)
-    assert got.reason == ("V on 'tp' with no dim that makes the reference's shape [4, 4] from the local [2, 2]: its "
-                          "layout is unknown")
+    assert got.reason.startswith("V on 'tp' whose pieces make the reference's shape [4, 4] on no dim (local [2, 2]): ")
     got = assemble(_snap({"dp": V, "tp": R}, {r: torch.tensor(1.0) for r in MESH.coords}), MESH, (), {"dp": 0}, 0.0)
     assert got.reason == "V on 'dp' on dim 0, but the value has 0 dims (shape [])"
 

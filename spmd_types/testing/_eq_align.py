@@ -23,6 +23,7 @@ from ._eq_record import Snapshot, _dtensor_types, types_on
 from ._simulate import _coords, _outside_simulation, per_rank
 
 __all__ = ["MeshInfo", "Assembled", "load_parameters", "local_batch", "assemble", "assemble_layout", "tolerance", "match",
+           "match_key",
            "RTOL64", "ATOL64", "SAFETY"]
 
 # float64: a fixed tolerance relative to the reference's largest entry. Reordered float64 sums differ by
@@ -53,12 +54,18 @@ class MeshInfo:
         return dict(zip(self.names, self.coords[rank]))
 
 
+def match_key(globs: Mapping[str, Any] | None, name: str) -> str | None:
+    """The first glob in ``globs`` that matches ``name`` (None if none does)."""
+    for pattern in globs or {}:
+        if fnmatch.fnmatchcase(name, pattern):
+            return pattern
+    return None
+
+
 def match(globs: Mapping[str, Any] | None, name: str) -> Any:
     """The value of the first glob in ``globs`` that matches ``name`` (None if none does)."""
-    for pattern, value in (globs or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return value
-    return None
+    found = match_key(globs, name)
+    return None if found is None else globs[found]  # type: ignore[index]
 
 
 def shard_dim(t: SpmdType) -> int | None:
@@ -148,10 +155,14 @@ def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, to
             local = store[rank]
             if tuple(piece.shape) != tuple(local.shape):
                 how = "its layout gives" if layout is not None else f"cut by its type {_fmt_types(types)} gives"
+                fix = "" if layout is not None else (
+                    " (a size that depends on the mesh, such as a vocabulary padded to a multiple of tp, differs), or "
+                    f"give its layout: layouts={{'{name}': fn(full, coords) -> local}} (e.g. pad full, then cut this "
+                    "rank's piece)")
                 raise ValueError(
                     f"check_equivalence: parameter '{name}': {how} {list(piece.shape)} on rank {rank} from the "
                     f"reference's {list(full.shape)}, but the parallel parameter is {list(local.shape)}: build() must "
-                    "make the same model on both meshes"
+                    f"make the same model on both meshes{fix}"
                 )
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
                 local.copy_(piece.to(local.dtype))
@@ -231,8 +242,11 @@ def _v_dims(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given: M
     if len(fits) == 1:
         return {**dims, **fits[0]}
     if not fits:
-        return (f"V on {axes} with no dim that makes the reference's shape {list(ref_shape)} from the local "
-                f"{list(local)}: its layout is unknown")
+        first = unknown[0]
+        return (f"V on {axes} whose pieces make the reference's shape {list(ref_shape)} on no dim (local "
+                f"{list(local)}): a pending sum typed V (local SPMD's row-parallel product) has no layout to "
+                "reassemble, and the value after its reduction is compared; to compare it too, type it P "
+                f"(spmd.reinterpret(x, {first!r}, src=spmd.V, dst=spmd.P))")
     options = ", ".join("{" + ", ".join(f"{a}: {d}" for a, d in f.items()) + "}" for f in fits)
     return (f"V on {axes}: the shapes (local {list(local)}, reference {list(ref_shape)}) fit several layouts "
             f"({options}); name the dims with output_dims={{'{snap.module or snap.key}': {{axis: dim}}}}")
@@ -244,13 +258,17 @@ def assemble(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given_d
     if snap.why_not is not None:
         return Assembled(None, reason=snap.why_not)
     if set(snap.values) != set(mesh.coords):
-        return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation?)")
+        return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation: make it "
+                                      "in build() or step)")
     untyped = [a for a, n in zip(mesh.names, mesh.sizes) if n > 1 and a not in snap.types]  # type: ignore[operator]
     if untyped:
-        return Assembled(None, reason=f"not typed on axis '{untyped[0]}'")
+        return Assembled(None, reason=f"not typed on axis '{untyped[0]}' (type it on every mesh axis of more than one "
+                                      "rank with spmd.assert_type)")
     shapes = {tuple(v.shape) for v in snap.values.values()}
     if len(shapes) > 1:
-        return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)})")
+        return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)}): ragged pieces (the tokens "
+                                      "an expert-parallel exchange gives each rank) have no one-device layout; the "
+                                      "module's output after the exchange back is compared")
     dims = _v_dims(snap, mesh, ref_shape, given_dims)
     if isinstance(dims, str):
         return Assembled(None, reason=dims)
@@ -289,11 +307,12 @@ def _ranks(members: list[tuple[torch.Tensor, tuple[int, ...]]]) -> tuple[int, ..
 
 
 def assemble_layout(snap: Snapshot, mesh: MeshInfo, ref: torch.Tensor, layout: Callable[..., torch.Tensor],
-                    tol: float) -> tuple[float, tuple[int, ...], str | None]:
+                    tol: float, glob: str = "") -> tuple[float, tuple[int, ...], str | None]:
     """(largest error, ranks beyond ``tol``, reason) comparing each rank with ``layout(reference, coords)``.
 
     A value that is P on an axis is summed over that axis first (every rank of the group is then
-    compared with the sum).
+    compared with the sum). ``reason`` says why the value is not compared, or, with an infinite
+    error, why the shapes differ (``glob``: the key of ``layouts`` that gave ``layout``).
     """
     if snap.why_not is not None and snap.types is None:
         return 0.0, (), snap.why_not
@@ -308,7 +327,8 @@ def assemble_layout(snap: Snapshot, mesh: MeshInfo, ref: torch.Tensor, layout: C
             got = torch.stack([snap.values[q] for q in peers]).sum(0)
         want = layout(ref.clone(), mesh.coord_dict(rank)).to(torch.float64)
         if tuple(got.shape) != tuple(want.shape):
-            return math.inf, (rank,), None
+            return math.inf, (rank,), (f"layouts[{glob!r}] gives {list(want.shape)} on rank {rank} from the reference's "
+                                       f"{list(ref.shape)}, but the parallel value is {list(got.shape)}")
         err = float((got - want).abs().max()) if got.numel() else 0.0
         worst = max(worst, err)
         if not err <= tol:

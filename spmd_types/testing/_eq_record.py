@@ -136,7 +136,7 @@ class Recorder:
         self.mesh = mesh
         self.precision = dtype  # lowered when an op of the step returns a float tensor of less precision
         self.outputs: list[Snapshot] = []
-        self._calls: dict[str, int] = {}
+        self.calls: dict[str, int] = {}  # how many times each module's forward ran
         self._handles: list[Any] = []
         self._where: dict[int, tuple[weakref.ref, Where]] = {}
         self._sources = sources
@@ -145,8 +145,8 @@ class Recorder:
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            k = self._calls.get(name, 0)
-            self._calls[name] = k + 1
+            k = self.calls.get(name, 0)
+            self.calls[name] = k + 1
             base = name if k == 0 else f"{name}#{k}"
             leaves = _tensor_leaves(output)
             for i, t in enumerate(leaves):
@@ -192,10 +192,18 @@ _SKIP_DIRS: list[str] = []
 
 
 def _skip_dirs() -> tuple[str, ...]:
+    """This package's, torch's and the standard library's folders, each ending in a separator: a library
+    whose folder only starts with one of their names (``site-packages/torchtitan``) is not skipped."""
     if not _SKIP_DIRS:
-        _SKIP_DIRS.extend([_PKG_DIR, os.path.dirname(os.path.abspath(torch.__file__)),
-                           os.path.dirname(contextlib.__file__)])
+        dirs = [_PKG_DIR, os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(contextlib.__file__)]
+        _SKIP_DIRS.extend(os.path.join(os.path.abspath(d), "") for d in dirs)
     return tuple(_SKIP_DIRS)
+
+
+def _skipped(filename: str) -> bool:
+    """True for a frame of spmd_types, torch or the standard library (the ``at:`` line names none of them)."""
+    return (filename.startswith("<") or filename.endswith("typing_extensions.py")
+            or os.path.abspath(filename).startswith(_skip_dirs()))
 
 
 def _user_frame() -> Where | None:
@@ -205,10 +213,7 @@ def _user_frame() -> Where | None:
         code = frame.f_code
         skip = _SKIP_CODE.get(code)
         if skip is None:
-            name = code.co_filename
-            skip = (name.startswith("<") or name.endswith("typing_extensions.py")
-                    or os.path.abspath(name).startswith(_skip_dirs()))
-            _SKIP_CODE[code] = skip
+            skip = _SKIP_CODE[code] = _skipped(code.co_filename)
         if not skip:
             return (code.co_filename, frame.f_lineno)
         frame = frame.f_back

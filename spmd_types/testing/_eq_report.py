@@ -20,7 +20,8 @@ class Comparison:
     the first, ``[i]`` for the i-th tensor of an output with several; the root module is named by
     its class), a parameter's name for its gradient or updated value, or ``"loss"``. ``ranks``
     lists the ranks whose copy of an R or I value disagrees with the others. ``source`` is the
-    user's ``file:line: code`` that produced the value in the parallel run, where known.
+    user's ``file:line: code`` that produced the value in the parallel run, where known. ``reason``
+    says why the error is infinite (the runs made the value with different shapes).
     """
 
     name: str
@@ -30,6 +31,7 @@ class Comparison:
     reference_norm: float
     ranks: tuple[int, ...] = ()
     source: str | None = None
+    reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -179,6 +181,9 @@ def _renderable(report: EquivalenceReport, *, color: bool) -> Any:
             lines[0] = lines[0][:-1] + f"; ranks {', '.join(map(str, first.ranks))} disagree with their R/I peers)"
         lines.append(f"  at: {first.source}" if first.source else "  at: (source line unknown)")
         parts.append(Text("\n".join(lines), style="bold red" if color else ""))
+    why = [c for c in report.compared if c.reason is not None]
+    if why:
+        parts.append(Text("\n".join(["why inf:"] + [f"  {c.kind} {c.name}: {c.reason}" for c in why])))
     if report.not_compared:
         rows = [f"not compared ({len(report.not_compared)}):"]
         rows += [f"  {nc.kind} {nc.name}: {nc.reason}" for nc in report.not_compared]

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from .._core.dtensor_hook import is_dtensor
-from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, tolerance
+from .._core.types import Shard, SpmdType
+from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, match_key, tolerance
 from ._eq_record import Recorder, Snapshot, format_source, snapshot
 from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NotCompared
 from ._simulate import rank_values, simulate
@@ -40,6 +41,7 @@ class _Run:
     params: list[Snapshot] = field(default_factory=list)
     changed: bool = False  # some parameter changed during the step (an optimizer step ran)
     mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
+    calls: dict[str, int] = field(default_factory=dict)  # how many times each module's forward ran
 
     def by_key(self) -> dict[tuple[str, str], Snapshot]:
         items = [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.params]
@@ -134,6 +136,9 @@ def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch:
     for key, entry in batch.items():
         pair = isinstance(entry, tuple) and len(entry) == 2
         full, types = (entry if pair else (entry, None))
+        if type(full).__module__ == "numpy":
+            raise TypeError(f"check_equivalence: batch entry '{key}' holds a numpy.{type(full).__name__}: give a torch "
+                            "tensor (torch.from_numpy(array))")
         if (isinstance(entry, tuple) and not pair) or not isinstance(full, torch.Tensor) or not (
                 types is None or isinstance(types, Mapping)):
             raise TypeError(f"check_equivalence: batch entry '{key}' must be (global tensor, {{axis: type}}) or a "
@@ -142,6 +147,19 @@ def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch:
         if extra:
             raise ValueError(f"check_equivalence: batch entry '{key}' is typed on '{extra[0]}', which is not a mesh "
                              f"axis ({', '.join(names)})")
+        for axis, t in (types or {}).items():
+            if not isinstance(t, SpmdType):
+                raise TypeError(f"check_equivalence: batch entry '{key}' types axis '{axis}' with {_not_a_type(t)}")
+
+
+def _not_a_type(t: Any) -> str:
+    """What a batch type that is not an SPMD type is, and the type to give instead."""
+    if isinstance(t, str):
+        return f"the string {t!r}: give the type itself, e.g. spmd.{t if t in ('R', 'I', 'S(0)') else 'S(0)'}"
+    if t is Shard:
+        return "the class spmd.S: give a shard of one dim, e.g. spmd.S(0)"
+    return (f"{t!r} ({type(t).__name__}): give an SPMD type: spmd.R, spmd.I, spmd.S(d) (V and P say nothing about how "
+            "the global batch splits)")
 
 
 def _attempt(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
@@ -194,7 +212,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
                 loss = spec.step(model, batch, mesh)
         finally:
             recorder.remove()
-            run.outputs = recorder.outputs
+            run.outputs, run.calls = recorder.outputs, recorder.calls
         _record_end(run, model, loss, recorder, mesh)
     return run
 
@@ -244,40 +262,69 @@ def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec,
         key = (snap.kind, snap.key)
         mine = ref_by.get(key)
         if mine is None or not mine.values:
-            why = (mine.why_not if mine is not None else None) or "not in the reference run"
+            why = (mine.why_not if mine is not None else None) or _only_in(snap, ref, par, "the parallel run")
             skipped.append(NotCompared(snap.key, snap.kind, why))  # type: ignore[arg-type]
             continue
-        row = _compare_one(snap, mine, ref64_by.get(key), info, spec, output_dims, dtype)
+        counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
+        row = _compare_one(snap, mine, ref64_by.get(key), info, spec, output_dims, dtype, counts)
         (skipped if isinstance(row, NotCompared) else compared).append(row)
     seen = {(s.kind, s.key) for s in items}
-    for kind, key in ref_by:
+    for (kind, key), snap in ref_by.items():
         if (kind, key) not in seen and kind in ("output", "grad"):
-            skipped.append(NotCompared(key, kind, "not in the parallel run"))  # type: ignore[arg-type]
+            skipped.append(NotCompared(key, kind, _only_in(snap, ref, par, "the reference run")))  # type: ignore
     world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
     title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
     return EquivalenceReport(compared, skipped, title=title)
 
 
+def _only_in(snap: Snapshot, ref: _Run, par: _Run, run: str) -> str:
+    """Why a value is in one run only: a module that ran more often there, or a name the other model lacks."""
+    if snap.module is not None:
+        ran = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0))
+        if ran[0] != ran[1]:
+            return (f"{_ran(ran)}: only its first {'call is' if min(ran) == 1 else f'{min(ran)} calls are'} "
+                    "compared (a size fixed in step, such as a micro-batch size, changes how often modules run)")
+    return f"only in {run} (build() must make the same modules and parameters on both meshes)"
+
+
+def _ran(counts: tuple[int, int]) -> str:
+    return f"the module ran {counts[0]} time{'s' if counts[0] != 1 else ''} on one device, {counts[1]} on each rank"
+
+
+def _shape_reason(got: list[int], want: list[int], counts: tuple[int, int] | None) -> str:
+    text = f"reassembled from the ranks it is {got}, on one device {want}: the two runs made it with different shapes"
+    if counts is not None and counts[0] != counts[1]:
+        return text + (" (a size fixed in step, such as a micro-batch size, makes the one-device run's pieces "
+                       f"differ: {_ran(counts)})")
+    return text + " (a size that depends on the mesh, in build() or step, differs between the two models)"
+
+
 def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, spec: _Spec,
-                 output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype) -> Comparison | NotCompared:
+                 output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype,
+                 counts: tuple[int, int] | None = None) -> Comparison | NotCompared:
     want = mine.values[0]
     want64 = mine64.values[0] if mine64 is not None and mine64.values else None
     tol = tolerance(want, want64, dtype, snap.precision)
     norm = float(want.norm()) if want.numel() else 0.0
     source = format_source(snap.source)
-    layout = match(spec.layouts, snap.key) if snap.kind in ("grad", "param") else None
-    if layout is not None:
-        err, ranks, reason = assemble_layout(snap, info, want, layout, tol)
+    glob = match_key(spec.layouts, snap.key) if snap.kind in ("grad", "param") else None
+    why_inf = None
+    if glob is not None:
+        err, ranks, reason = assemble_layout(snap, info, want, spec.layouts[glob], tol, glob)  # type: ignore[index]
+        if err == math.inf:
+            reason, why_inf = None, reason
     else:
         given = match(output_dims, snap.module) if snap.module is not None else None
         got = assemble(snap, info, tuple(want.shape), given, tol)
         reason, ranks, err = got.reason, got.ranks, math.inf  # a reassembled shape unlike the reference's: inf
         if got.value is not None and got.shape_error is None:
             err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
+        elif got.value is not None:
+            why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
     if reason is not None:
         return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
-    row = Comparison(snap.key, snap.kind, err, tol, norm, ranks, source)  # type: ignore[arg-type]
+    row = Comparison(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
     if row.ok:
         return row
-    return Divergence(snap.key, snap.kind, err, tol, norm, ranks, source)  # type: ignore[arg-type]
+    return Divergence(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
 
