@@ -219,7 +219,8 @@ def test_the_reference_starts_from_a_given_state_dict():
     report = check_equivalence(lambda mesh: MLP(mesh.size(1)), step, mlp_batch(), output_dims={"*": {"dp": 0}},
                                state_dict=start)
     assert report.ok, report
-    assert len(seen) == 2 and all(torch.equal(v, torch.full((8,), 0.5)) for run in seen for v in run.values())
+    # the parallel run, then the reference twice (a step must repeat: see test_equivalence_random.py)
+    assert len(seen) == 3 and all(torch.equal(v, torch.full((8,), 0.5)) for run in seen for v in run.values())
 
 
 # ---------------------------------------------------------------------------

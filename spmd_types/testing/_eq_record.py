@@ -45,6 +45,7 @@ class Snapshot:
     source: Where | None = None
     why_not: str | None = None  # set when the value cannot be reassembled (untyped, an odd placement)
     precision: torch.dtype | None = None  # the lowest float dtype the step had computed in when this was recorded
+    op: str | None = None  # kind "random": the op that drew the numbers (``bernoulli_``)
 
 
 # ---------------------------------------------------------------------------
@@ -137,14 +138,48 @@ class Recorder:
         self.precision = dtype  # lowered when an op of the step returns a float tensor of less precision
         self.outputs: list[Snapshot] = []
         self.calls: dict[str, int] = {}  # how many times each module's forward ran
+        self.pending: list[Snapshot] = []  # draws not yet given the type of the value they were drawn for
+        self._running: list[str] = []  # the modules whose forward is running, innermost last
+        self._drawn: dict[str, int] = {}
         self._handles: list[Any] = []
         self._where: dict[int, tuple[weakref.ref, Where]] = {}
         self._sources = sources
         for module, name in module_names(model).items():
+            self._handles.append(module.register_forward_pre_hook(self._enter(name)))
             self._handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _enter(self, name: str):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._running.append(name)
+
+        return hook
+
+    def note_draw(self, op: str, t: torch.Tensor) -> Snapshot:
+        """A random draw (``t``: the drawn numbers), recorded in execution order, named by the running module."""
+        base = self._running[-1] if self._running else "step"
+        k = self._drawn.get(base, 0)
+        self._drawn[base] = k + 1
+        snap = Snapshot(base if k == 0 else f"{base}#{k}", "random", module=base, values=_plain_values(t),
+                        source=_user_frame(), op=op)
+        self.outputs.append(snap)
+        self.pending.append(snap)
+        return snap
+
+    def type_draws(self, out: Any) -> None:
+        """The draws of one call take the type of its output of their shape (dropout's mask: its output's)."""
+        leaves = _tensor_leaves(out)
+        for snap in self.pending:
+            shape = tuple(next(iter(snap.values.values())).shape)
+            found = next((t for t in leaves if tuple(t.shape) == shape), None)
+            if found is not None:
+                typed = snapshot(found, snap.key, "random", self.mesh)
+                snap.types, snap.dims = typed.types, typed.dims
+        self.pending.clear()
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self._running and self._running[-1] == name:
+                self._running.pop()
             k = self.calls.get(name, 0)
             self.calls[name] = k + 1
             base = name if k == 0 else f"{name}#{k}"
@@ -236,6 +271,8 @@ class _SourceMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.recorder.pending:
+            self.recorder.type_draws(args[0] if out is None and args else out)
         name = getattr(func, "__name__", "")
         if name == "__get__" or name == "__set__":  # attribute reads and writes (t.grad, t.shape) make nothing
             return out

@@ -146,12 +146,17 @@ def _fake_world(size: int, rank: int = 0) -> bool:
 
 def _group_index(group: Any, ranks: frozenset[int]) -> Any:
     """Each simulated rank's index in its copy of ``group`` (torch's simulator lays groups out by offset)."""
-    from torch.distributed._local_tensor import LocalIntNode
     from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
     members, offsets, _ = _prepare_collective_groups(group)
     index = {o + r: i for o in offsets for i, r in enumerate(members)}
-    values = {r: index[r] for r in ranks}
+    return _per_rank_int({r: index[r] for r in ranks})
+
+
+def _per_rank_int(values: dict[int, int]) -> Any:
+    """A plain int where every rank holds the same one, else a per-rank ``SymInt``."""
+    from torch.distributed._local_tensor import LocalIntNode
+
     if len(set(values.values())) == 1:
         return next(iter(values.values()))
     return torch.SymInt(LocalIntNode(values))
@@ -196,7 +201,7 @@ def ranks_read_per_rank() -> Iterator[None]:
         if lm is None or not dist.is_initialized():
             return original_get_rank(group)
         if group is None or group is dist.group.WORLD:
-            return torch.SymInt(local.LocalIntNode({r: r for r in lm.ranks}))
+            return _per_rank_int({r: r for r in lm.ranks})
         return index_in(group)
 
     dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
@@ -230,8 +235,7 @@ def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
             nodes = [x.node if isinstance(x, torch.SymInt) else x for x in items]
             if lm is None or kwargs or not any(isinstance(n, LocalIntNode) for n in nodes):
                 raise
-            values = {r: pick(_int_on_rank(n, r) for n in nodes) for r in lm.ranks}
-            return torch.SymInt(LocalIntNode(values))
+            return _per_rank_int({r: pick(_int_on_rank(n, r) for n in nodes) for r in lm.ranks})
 
     return extreme
 

@@ -21,11 +21,13 @@ import torch
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import Shard, SpmdType
 from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, match_key, tolerance
+from ._eq_determinism import DrawMode, DrawTape, check_draw, check_gross_gap, check_repeats
 from ._eq_record import Recorder, Snapshot, format_source, snapshot
-from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NotCompared
+from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NondeterministicStepError, NotCompared
 from ._simulate import rank_values, simulate
 
-__all__ = ["check_equivalence", "EquivalenceReport", "DivergenceError", "Divergence", "Comparison", "NotCompared"]
+__all__ = ["check_equivalence", "EquivalenceReport", "DivergenceError", "Divergence", "Comparison", "NotCompared",
+           "NondeterministicStepError"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,9 +45,12 @@ class _Run:
     mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
     calls: dict[str, int] = field(default_factory=dict)  # how many times each module's forward ran
 
+    def snapshots(self) -> list[Snapshot]:
+        """Everything recorded, in execution order."""
+        return [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.params]
+
     def by_key(self) -> dict[tuple[str, str], Snapshot]:
-        items = [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.params]
-        return {(s.kind, s.key): s for s in items}
+        return {(s.kind, s.key): s for s in self.snapshots()}
 
 
 @dataclass(frozen=True)
@@ -112,19 +117,46 @@ def check_equivalence(
 
 def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, Mapping[str, int]] | None,
            state_dict: Mapping[str, torch.Tensor] | None, dtype: torch.dtype) -> EquivalenceReport:
+    """The parallel run first (its type errors come first), then the reference twice, and its float64 twin."""
     one = tuple(1 for _ in spec.names)
+    start = _initial(spec, one, dtype, state_dict)
+    par = _run(spec, mesh_shape, dtype, start, True)  # its SpmdTypeError propagates as raised
+    tape = DrawTape([s for s in par.outputs if s.kind == "random"], par.mesh, output_dims)  # type: ignore[arg-type]
     held: list[BaseException] = []
-    ref = _attempt(spec, one, dtype, state_dict, False, held)
-    if ref.initial is None:
-        raise held[0]
-    ref64 = None
-    if dtype != torch.float64:
-        start = {k: v.to(torch.float64) for k, v in ref.initial.items()}
-        ref64 = _attempt(spec, one, torch.float64, start, False, held)
-    par = _run(spec, mesh_shape, dtype, ref.initial, True)  # its SpmdTypeError propagates as raised
+    ref = _attempt(spec, one, dtype, start, tape, held)
+    again = _attempt(spec, one, dtype, start, tape, held) if not held else ref
     if held:
         raise held[0]
+    check_repeats(ref.snapshots(), again.snapshots(), dtype)
+    ref64 = None
+    if dtype != torch.float64:
+        ref64 = _attempt(spec, one, torch.float64, {k: v.to(torch.float64) for k, v in start.items()}, tape, held)
+        if held:
+            raise held[0]
+        check_gross_gap(ref.snapshots(), ref64.snapshots(), dtype)
     return _compare(ref, ref64, par, spec, output_dims, dtype)
+
+
+def _initial(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype,
+             state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The reference model's parameters at the start: ``state_dict`` loaded, else its own initialisation."""
+    import spmd_types as spmd
+
+    with _default_dtype(dtype), simulate(shape, spec.names, ranks="local", device="cpu") as mesh:
+        torch.manual_seed(spec.seed)
+        with spmd.typecheck():
+            model = _built(spec, mesh)
+        params = dict(model.named_parameters())
+        if state_dict is not None:
+            load_parameters(params, state_dict, MeshInfo.of(mesh), None, parallel=False)
+        return {n: _whole(p) for n, p in params.items()}
+
+
+def _built(spec: _Spec, mesh: Any) -> torch.nn.Module:
+    model = spec.build(mesh)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"check_equivalence: build(mesh) must return an nn.Module, got {type(model).__name__}")
+    return model
 
 
 def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch: Mapping[str, Any],
@@ -162,12 +194,12 @@ def _not_a_type(t: Any) -> str:
             "the global batch splits)")
 
 
-def _attempt(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
-             parallel: bool, held: list[BaseException]) -> _Run:
-    """A reference run whose failure is held (and raised after the parallel run: its type errors come first)."""
+def _attempt(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor],
+             tape: DrawTape, held: list[BaseException]) -> _Run:
+    """A reference run (replaying the parallel run's draws) whose failure is held, to be raised in order."""
     run = _Run()
     try:
-        _run(spec, shape, dtype, start, parallel, run)
+        _run(spec, shape, dtype, start, False, run, tape)
     except Exception as err:  # noqa: BLE001 - re-raised unchanged once the parallel run had its turn
         held.append(err)
     return run
@@ -184,8 +216,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
-         parallel: bool, run: _Run | None = None) -> _Run:
-    """Build, load and run one step on a mesh of ``shape``; record everything in ``run``."""
+         parallel: bool, run: _Run | None = None, tape: DrawTape | None = None) -> _Run:
+    """Build, load and run one step on a mesh of ``shape``; record everything in ``run``.
+
+    The parallel run records its random draws; a reference run replays them from ``tape``.
+    """
     import spmd_types as spmd
 
     run = run if run is not None else _Run()
@@ -195,9 +230,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         info = run.mesh = MeshInfo.of(mesh)
         torch.manual_seed(spec.seed)
         with spmd.typecheck():
-            model = spec.build(mesh)
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"check_equivalence: build(mesh) must return an nn.Module, got {type(model).__name__}")
+            model = _built(spec, mesh)
         params = dict(model.named_parameters())
         if start is not None:
             load_parameters(params, start, info, spec.layouts if parallel else None, parallel=parallel)
@@ -208,7 +241,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
             with spmd.typecheck():
                 batch = local_batch(spec.batch, info, dtype)
             torch.manual_seed(spec.seed)
-            with spmd.typecheck(), recorder.sources():
+            with spmd.typecheck(), recorder.sources(), DrawMode(recorder, tape):
                 loss = spec.step(model, batch, mesh)
         finally:
             recorder.remove()
@@ -258,7 +291,11 @@ def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec,
     items = [*par.outputs, *([par.loss] if par.loss else []), *par.grads]
     if ref.changed or par.changed:
         items += par.params
+    data_axes = _data_axes(spec.batch)
     for snap in items:
+        if snap.kind == "random":
+            compared.append(_draw_row(snap, info, data_axes))
+            continue
         key = (snap.kind, snap.key)
         mine = ref_by.get(key)
         if mine is None or not mine.values:
@@ -275,6 +312,20 @@ def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec,
     world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
     title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
     return EquivalenceReport(compared, skipped, title=title)
+
+
+def _data_axes(batch: Mapping[str, Any]) -> frozenset[str]:
+    """The axes the batch is split over (S(d) on some entry): their ranks may share a random stream."""
+    return frozenset(a for entry in batch.values() if isinstance(entry, tuple)
+                     for a, t in entry[1].items() if t.is_varying)
+
+
+def _draw_row(snap: Snapshot, info: MeshInfo, data_axes: frozenset[str]) -> Comparison:
+    """A random draw's row: ok when every rank drew from the stream its type asks for (see _eq_determinism)."""
+    ranks, why = check_draw(snap, info, data_axes)
+    source = format_source(snap.source)
+    row = Divergence if ranks else Comparison
+    return row(snap.key, "random", 0.0, 0.0, 0.0, ranks, source, why)  # type: ignore[arg-type]
 
 
 def _only_in(snap: Snapshot, ref: _Run, par: _Run, run: str) -> str:
