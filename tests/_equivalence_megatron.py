@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _megatron_support import SEQ, VOCAB, build_gpt, init_parallel
+from _rng_streams import Streams
 
 import spmd_types as spmd
 from spmd_types import megatron as spmd_megatron
@@ -47,13 +48,14 @@ def batch(seed: int = 0) -> dict[str, Any]:
     return {"tokens": (tokens, split), "positions": (positions, split), "labels": (labels, split), "mask": mask}
 
 
-def build(mesh, sp: bool = False, dropout: float = 0.0, per_tp_rank_dropout: bool = False):
+def build(mesh, sp: bool = False, dropout: float = 0.0, per_tp_rank_dropout: bool = False,
+          attention_dropout: float = 0.0):
     """GPTModel at tp = the mesh's tp size (sequence parallel only where tp > 1), typed from its attributes."""
     tp = mesh.size(mesh.mesh_dim_names.index("tp"))
     init_parallel(tp)
     spmd_megatron.register()
     model = build_gpt(tp, sp and tp > 1, params_dtype=torch.get_default_dtype(), use_cpu_initialization=False,
-                      hidden_dropout=dropout)
+                      hidden_dropout=dropout, attention_dropout=attention_dropout)
     if dropout:
         model.embedding.embedding_dropout.p = 0.0  # only the residual dropouts of the layers draw masks
     if per_tp_rank_dropout:
@@ -73,6 +75,21 @@ def _model_parallel_rng():
     torch.manual_seed(1234 + 2718 + ps.get_tensor_model_parallel_group().rank())  # model_parallel_cuda_manual_seed
     with torch.enable_grad():
         yield
+
+
+def cpu_rng_tracker(same_seed_on_every_tp_rank: bool = False):
+    """``CudaRNGStatesTracker.fork`` on the CPU: the model-parallel stream seeded per tp rank, as Megatron's
+    ``model_parallel_cuda_manual_seed`` seeds it (1234 + 2718 + tp rank), kept between forks."""
+    from megatron.core import parallel_state as ps
+
+    streams = Streams()
+
+    def fork(self, name: str = "model-parallel-rng"):
+        tp_rank = ps.get_tensor_model_parallel_group().rank()
+        # BUG (same_seed_on_every_tp_rank): the model-parallel stream seeded alike on every tp rank
+        return streams.fork(name, 1234 + 2718 + (0 if same_seed_on_every_tp_rank else tp_rank))
+
+    return fork
 
 
 def step(model, batch: dict, mesh) -> torch.Tensor:

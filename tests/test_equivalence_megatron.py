@@ -95,11 +95,34 @@ def test_bug_fused_qkv_checkpoint_split_as_contiguous_q_k_v(cpu):
         "decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_qkv.bias"}
 
 
+def test_dropout_is_replayed_and_checked_per_rank(cpu):
+    # The residual and attention dropouts draw on the ranks; the one-device runs replay their draws, so the
+    # model with dropout matches value by value. The attention dropout runs in the model-parallel stream
+    # (Megatron's RNG tracker, seeded per tp rank: each rank's heads draw their own).
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu.setattr(mrandom.CudaRNGStatesTracker, "fork", M.cpu_rng_tracker())
+    report = _check(dropout=0.1, attention_dropout=0.1)
+    assert report.ok, report
+    draws = [c.name for c in report.compared if c.kind == "random"]
+    assert draws == [name for layer in ("0", "1") for name in (
+        f"decoder.layers.{layer}.self_attention.core_attention.attention_dropout", f"decoder.layers.{layer}",
+        f"decoder.layers.{layer}#1")]
+
+
 def test_bug_residual_dropout_in_the_per_tp_rank_rng_stream(cpu):
-    # Dropout draws different masks on one device and on 4 ranks, so a model with dropout never matches the
-    # reference (docs/equivalence.md); but a value every tp rank must hold (I) must still agree across them.
-    correct = _check(dropout=0.1).first
-    assert (correct.name, correct.ranks) == ("decoder.layers.0.pre_cross_attn_layernorm", ())
     first = _check(dropout=0.1, per_tp_rank_dropout=True).first
-    assert (first.name, first.kind, first.ranks) == ("decoder.layers.0.pre_cross_attn_layernorm", "output", (1, 3))
-    assert _where(first.source) == "megatron/core/fusions/fused_bias_dropout.py:49: out = residual + out"
+    assert (first.name, first.kind, first.ranks) == ("decoder.layers.0", "random", (1, 3))
+    assert first.reason.startswith("ranks 1, 3 draw other numbers than their peers on 'tp', where the value is I")
+    assert _where(first.source).startswith("megatron/core/fusions/fused_bias_dropout.py:")
+
+
+def test_bug_attention_dropout_with_the_same_seed_on_every_tp_rank(cpu):
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu.setattr(mrandom.CudaRNGStatesTracker, "fork", M.cpu_rng_tracker(same_seed_on_every_tp_rank=True))
+    first = _check(attention_dropout=0.1).first
+    assert (first.name, first.kind, first.ranks) == (
+        "decoder.layers.0.self_attention.core_attention.attention_dropout", "random", (0, 1, 2, 3))
+    assert first.reason.startswith("ranks 0, 1, 2, 3 draw the same numbers on 'tp', where the value is V")
+    assert _where(first.source).startswith("megatron/core/transformer/dot_product_attention.py:")

@@ -169,15 +169,15 @@ def test_local_ranks_read_their_own_rank_from_every_group():
     _no_group()
     with simulate((2, 2), ("dp", "tp"), ranks="local", device="cpu") as mesh:
         tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
-        seen = per_rank(lambda r: torch.zeros(6, dtype=torch.long))
+        seen = per_rank(lambda r: torch.zeros(5, dtype=torch.long))
         seen[0] += dist.get_rank(tp)
         seen[1] += dist.get_rank(dp)
         seen[2] += tp.rank()
         seen[3] += dist.get_world_size(tp)
-        seen[4] += dist.get_rank()
-        seen[5] += dist.get_world_size()
+        seen[4] += dist.get_world_size()
         assert {r: v.tolist() for r, v in rank_values(seen).items()} == {
-            0: [0, 0, 0, 2, 0, 4], 1: [1, 0, 1, 2, 1, 4], 2: [0, 1, 0, 2, 2, 4], 3: [1, 1, 1, 2, 3, 4]}
+            0: [0, 0, 0, 2, 4], 1: [1, 0, 1, 2, 4], 2: [0, 1, 0, 2, 4], 3: [1, 1, 1, 2, 4]}
+        assert dist.group.WORLD.rank() == 0  # the default group: this process's rank (groups are made by it)
         # min and max of per-rank ints run rank by rank (torchtitan's loss: min(vocab, start + chunk))
         start = 3 * dist.get_rank(tp)
         bounds = per_rank(lambda r: torch.zeros(4, dtype=torch.long))

@@ -66,7 +66,7 @@ def simulate(
     call created are torn down.
 
     With ``ranks="local"``, code that reads its rank reads each simulated rank's own:
-    ``dist.get_rank(group)``, ``dist.get_rank()`` and ``group.rank()`` answer a per-rank int
+    ``dist.get_rank(group)`` and ``group.rank()`` of a sub-group answer a per-rank int
     (:func:`ranks_read_per_rank`), so torchtitan's vocab-parallel embedding and Megatron's
     vocabulary slicing run as on real ranks. ``dist.get_world_size(group)`` is the group's size.
 
@@ -169,10 +169,11 @@ def ranks_read_per_rank() -> Iterator[None]:
     The answer is a per-rank ``SymInt``: arithmetic, slicing, ``min`` and ``max`` run per rank (inside,
     the builtins ``min`` and ``max`` fall back to picking rank by rank where the ranks' ints compare
     differently), as do comparisons that come out the same on every rank; a Python branch that differs per rank
-    (``if dist.get_rank(group) == 0``) cannot be simulated. ``group.rank()`` of the default group
-    keeps answering rank 0 (``torch.distributed`` asks it while making groups); ``dist.get_rank()``
-    answers each rank's global rank, as torch 2.14's simulator does (there it patches
-    ``dist.get_rank`` itself, and this leaves it alone).
+    (``if dist.get_rank(group) == 0``) cannot be simulated. The default group keeps answering this
+    process's rank (``group.rank()``, and ``dist.get_rank()`` on torch 2.13): code that makes process
+    groups by membership asks it (``torch.distributed`` itself, Megatron's
+    ``initialize_model_parallel``). torch 2.14's simulator patches ``dist.get_rank`` itself (the
+    default group answered per rank there), and this leaves it alone.
     """
     import torch.distributed as dist
     import torch.distributed._local_tensor as local
@@ -197,11 +198,9 @@ def ranks_read_per_rank() -> Iterator[None]:
     original_get_rank = dist.get_rank
 
     def get_rank(group: Any = None) -> Any:
-        lm = local.enabled_local_tensor_mode()
-        if lm is None or not dist.is_initialized():
+        if (local.enabled_local_tensor_mode() is None or not dist.is_initialized() or group is None
+                or group is dist.group.WORLD or group.size() == 1):
             return original_get_rank(group)
-        if group is None or group is dist.group.WORLD:
-            return _per_rank_int({r: r for r in lm.ranks})
         return index_in(group)
 
     dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
