@@ -99,7 +99,7 @@ def test_a_correct_step_is_ok_and_compares_every_kind_in_order():
     got = [(c.kind, c.name) for c in report.compared]
     params = ["bias", "fc1.weight", "fc1.bias", "fc2.weight"]
     assert got == ([("output", "fc1"), ("output", "MLP"), ("loss", "loss")] + [("grad", n) for n in params]
-                   + [("param", n) for n in params])
+                   + [("update", n) for n in params])
     # fc2's output is a partial sum typed V: no dim of it makes the reference's shape, so it is not guessed at
     assert [(n.kind, n.name, n.reason) for n in report.not_compared] == [
         ("output", "fc2", "V on 'tp' whose pieces make the reference's shape [4, 8] on no dim (local [2, 8]): a "

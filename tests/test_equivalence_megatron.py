@@ -52,7 +52,7 @@ def test_gpt_model_matches_one_device(cpu, sp):
     assert report.ok, report
     assert report.not_compared == []
     kinds = [c.kind for c in report.compared]
-    assert (kinds.count("output"), kinds.count("loss"), kinds.count("grad"), kinds.count("param")) == (50, 1, 29, 29)
+    assert (kinds.count("output"), kinds.count("loss"), kinds.count("grad"), kinds.count("update")) == (50, 1, 29, 29)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
@@ -60,7 +60,10 @@ def test_no_false_alarm_in_bfloat16(cpu, sp):
     report = check_equivalence(lambda mesh: M.build(mesh, sp), M.step, M.batch(), output_dims=M.OUTPUT_DIMS,
                                dtype=torch.bfloat16)
     assert report.ok, report
-    assert len(report.compared) == 109 and report.not_compared == []
+    # SGD at lr 0.1 moves most weights by less than bfloat16 resolves (a LayerNorm weight of 1.0 not at all):
+    # those updates are listed as not compared, with the reason, rather than held to a tolerance that passes all
+    assert len(report.compared) == 98 and {n.kind for n in report.not_compared} == {"update"}
+    assert len(report.not_compared) == 11
     # the closest value stays this many times under its tolerance (measured: about 10.7; docs/equivalence.md)
     assert min(c.tolerance / c.max_abs_error for c in report.compared if c.max_abs_error) > 4
 

@@ -170,9 +170,9 @@ def test_a_step_that_computes_otherwise_in_float64_is_refused_below_float64():
         _plain_check(by_dtype, torch.float32)
     assert str(err.value) == (
         "check_equivalence: the step computes differently in float32 and in float64 beyond round-off: the loss "
-        "differs by 2.4e+01 between the two one-device runs (67% of its largest entry, 3.6e+01), so round-off cannot "
-        "set its tolerance. A draw outside torch, a branch on the dtype, or a choice that round-off flips (top-k, "
-        "argmax on near ties) does this: draw with torch, or check in float64 (dtype=torch.float64)")
+        "differs by 2.4e+01 between the two one-device runs (67% of it, 3.6e+01), so round-off cannot set a "
+        "tolerance. A draw outside torch, a branch on the dtype, or a choice that round-off flips (top-k, argmax on "
+        "near ties) does this: draw with torch, or check in float64 (dtype=torch.float64)")
 
 
 def test_a_draw_mixed_with_its_input_cannot_be_replayed():

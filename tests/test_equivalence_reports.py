@@ -132,8 +132,8 @@ def _rows(full: torch.Tensor, coords: dict) -> torch.Tensor:
 
 
 def test_a_layout_that_cuts_a_value_unlike_the_parallel_one_says_why():
-    # a gradient always has its parameter's shape, so this is the updated parameter of a step that resized it
-    snap = Snapshot("w", "param", types={"tp": S(0)}, values={0: torch.ones(2, 4), 1: torch.ones(2, 4)})
+    # a gradient always has its parameter's shape, so this is the update of a step that resized the parameter
+    snap = Snapshot("w", "update", types={"tp": S(0)}, values={0: torch.ones(2, 4), 1: torch.ones(2, 4)})
     mesh = MeshInfo(("tp",), (2,), {0: (0,), 1: (1,)})
     err, ranks, reason = assemble_layout(snap, mesh, torch.ones(8, 4), _rows, 1e-9, "w")
     assert (err, ranks) == (float("inf"), (0,))

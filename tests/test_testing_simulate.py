@@ -186,6 +186,10 @@ def test_local_ranks_read_their_own_rank_from_every_group():
         bounds[2] += min([5, start])
         bounds[3] += max(start, 1)
         assert [v.tolist() for v in rank_values(bounds).values()] == [[3, 0, 0, 1], [4, 2, 3, 3]] * 2
+    _no_group()
+    with simulate((2,), ("tp",), ranks="local", device="cpu") as mesh:  # a 1-D mesh's group is the default one
+        got = rank_values(torch.zeros(1, dtype=torch.long) + dist.get_rank(mesh.get_group("tp")))
+        assert {r: v.tolist() for r, v in got.items()} == {0: [0], 1: [1]}
     assert dist.get_rank.__module__ == "torch.distributed.distributed_c10d"  # put back on exit
     assert type(min).__name__ == type(max).__name__ == "builtin_function_or_method"  # the builtins back
     _no_group()

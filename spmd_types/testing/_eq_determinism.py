@@ -17,7 +17,8 @@ Runs that repeat. The reference runs twice from the same start; a step that carr
 runs (a schedule object or a counter made outside ``build()``) or draws outside torch's generator
 differs between them, and :class:`NondeterministicStepError` names the first value that does.
 Below float64 the float64 run must also stay within a gross bound of the run in ``dtype``, else
-round-off cannot set the tolerance and the check refuses instead of widening it.
+round-off cannot set the tolerance: such a value is listed as not compared, with its reason (a loss
+that strays raises), instead of being held to a tolerance widened until anything passes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ._eq_align import MeshInfo, assemble, match
 from ._eq_record import Snapshot, format_source
 from ._eq_report import NondeterministicStepError
 
-__all__ = ["DrawMode", "DrawTape", "check_draw", "check_repeats", "check_gross_gap", "GROSS"]
+__all__ = ["DrawMode", "DrawTape", "check_draw", "check_repeats", "gross_gaps", "GROSS"]
 
 # Ops whose every output element is a draw (replaying the output replays the op). Other ops that draw
 # (``native_dropout``, ``rrelu_with_noise``) mix the draw with their input: they cannot be replayed.
@@ -192,22 +193,32 @@ def check_repeats(first: list[Snapshot], again: list[Snapshot], dtype: torch.dty
             "rank as the trainer does), or draw with torch")
 
 
-def check_gross_gap(ref: list[Snapshot], ref64: list[Snapshot], dtype: torch.dtype) -> None:
-    """Raise when the float64 run differs from the run in ``dtype`` by more than :data:`GROSS` of a value."""
+def gross_gaps(ref: list[Snapshot], ref64: list[Snapshot], dtype: torch.dtype) -> dict[tuple[str, str], str]:
+    """The values whose float64 run strays from the run in ``dtype`` by more than :data:`GROSS` of their largest
+    entry, each with the reason it cannot be compared; a loss that strays makes the whole step incomparable
+    and raises :class:`NondeterministicStepError`."""
     by64 = {(s.kind, s.key): s for s in ref64}
+    name = str(dtype).removeprefix("torch.")
+    found: dict[tuple[str, str], str] = {}
     for snap in ref:
         other = by64.get((snap.kind, snap.key))
-        if not snap.values or other is None or not other.values or snap.kind == "random":
+        if not snap.values or other is None or not other.values or snap.kind in ("random", "update"):
             continue
         a, b = snap.values[0], other.values[0]
         if a.shape != b.shape or not a.numel():
             continue
         scale, gap = float(b.abs().max()), float((a - b).abs().max())
-        if gap > GROSS * scale:
-            name = str(dtype).removeprefix("torch.")
+        if not gap > GROSS * scale:
+            continue
+        if snap.kind == "loss":
             raise NondeterministicStepError(
-                f"check_equivalence: the step computes differently in {name} and in float64 beyond round-off: "
-                f"{_what(snap)} differs by {gap:.1e} between the two one-device runs ({gap / scale:.0%} of "
-                f"its largest entry, {scale:.1e}), so round-off cannot set its tolerance. A draw outside torch, a "
-                f"branch on the dtype, or a choice that round-off flips (top-k, argmax on near ties) does this: draw "
-                "with torch, or check in float64 (dtype=torch.float64)")
+                f"check_equivalence: the step computes differently in {name} and in float64 beyond round-off: the "
+                f"loss differs by {gap:.1e} between the two one-device runs ({gap / scale:.0%} of it, {scale:.1e}), so "
+                "round-off cannot set a tolerance. A draw outside torch, a branch on the dtype, or a choice that "
+                "round-off flips (top-k, argmax on near ties) does this: draw with torch, or check in float64 "
+                "(dtype=torch.float64)")
+        found[(snap.kind, snap.key)] = (
+            f"in {name} it strays from its float64 value by {gap / scale:.0%} of its largest entry ({scale:.1e}): "
+            "round-off that large (cancellation), a branch on the dtype or a choice round-off flips (top-k, argmax) "
+            "leaves no tolerance to hold it to; check it in float64 (dtype=torch.float64)")
+    return found

@@ -169,10 +169,11 @@ def ranks_read_per_rank() -> Iterator[None]:
     The answer is a per-rank ``SymInt``: arithmetic, slicing, ``min`` and ``max`` run per rank (inside,
     the builtins ``min`` and ``max`` fall back to picking rank by rank where the ranks' ints compare
     differently), as do comparisons that come out the same on every rank; a Python branch that differs per rank
-    (``if dist.get_rank(group) == 0``) cannot be simulated. The default group keeps answering this
-    process's rank (``group.rank()``, and ``dist.get_rank()`` on torch 2.13): code that makes process
-    groups by membership asks it (``torch.distributed`` itself, Megatron's
-    ``initialize_model_parallel``). torch 2.14's simulator patches ``dist.get_rank`` itself (the
+    (``if dist.get_rank(group) == 0``) cannot be simulated. Asked without a group, or through the
+    default group's own ``rank()``, the answer stays this process's rank (on torch 2.13): code that
+    makes process groups by membership asks so (``torch.distributed`` itself, Megatron's
+    ``initialize_model_parallel``); ``dist.get_rank(group)`` names the group as an axis (a 1-D mesh's
+    group is the default group) and is answered per rank. torch 2.14's simulator patches ``dist.get_rank`` itself (the
     default group answered per rank there), and this leaves it alone.
     """
     import torch.distributed as dist
@@ -198,9 +199,11 @@ def ranks_read_per_rank() -> Iterator[None]:
     original_get_rank = dist.get_rank
 
     def get_rank(group: Any = None) -> Any:
-        if (local.enabled_local_tensor_mode() is None or not dist.is_initialized() or group is None
-                or group is dist.group.WORLD or group.size() == 1):
+        lm = local.enabled_local_tensor_mode()
+        if lm is None or not dist.is_initialized() or group is None or group.size() == 1:
             return original_get_rank(group)
+        if group is dist.group.WORLD:  # named as an axis (a 1-D mesh's group is the default one)
+            return _per_rank_int({r: r for r in lm.ranks})
         return index_in(group)
 
     dist.ProcessGroup.rank = rank  # type: ignore[method-assign]

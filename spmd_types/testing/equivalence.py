@@ -12,17 +12,17 @@ docs/equivalence.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import Shard, SpmdType
-from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, match_key, tolerance
-from ._eq_determinism import DrawMode, DrawTape, check_draw, check_gross_gap, check_repeats
-from ._eq_record import Recorder, Snapshot, format_source, snapshot
+from ._eq_align import MeshInfo, load_parameters, local_batch
+from ._eq_compare import Asked, Run, compare
+from ._eq_determinism import DrawMode, DrawTape, check_repeats, gross_gaps
+from ._eq_record import Recorder, Snapshot, snapshot
 from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NondeterministicStepError, NotCompared
 from ._simulate import rank_values, simulate
 
@@ -30,27 +30,6 @@ __all__ = ["check_equivalence", "EquivalenceReport", "DivergenceError", "Diverge
            "NondeterministicStepError"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class _Run:
-    """What one run recorded, in execution order (filled as the run goes, so a failed step keeps its start)."""
-
-    initial: dict[str, torch.Tensor] | None = None
-    outputs: list[Snapshot] = field(default_factory=list)
-    loss: Snapshot | None = None
-    grads: list[Snapshot] = field(default_factory=list)
-    params: list[Snapshot] = field(default_factory=list)
-    changed: bool = False  # some parameter changed during the step (an optimizer step ran)
-    mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
-    calls: dict[str, int] = field(default_factory=dict)  # how many times each module's forward ran
-
-    def snapshots(self) -> list[Snapshot]:
-        """Everything recorded, in execution order."""
-        return [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.params]
-
-    def by_key(self) -> dict[tuple[str, str], Snapshot]:
-        return {(s.kind, s.key): s for s in self.snapshots()}
 
 
 @dataclass(frozen=True)
@@ -128,13 +107,13 @@ def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, M
     if held:
         raise held[0]
     check_repeats(ref.snapshots(), again.snapshots(), dtype)
-    ref64 = None
+    ref64, strayed = None, {}
     if dtype != torch.float64:
         ref64 = _attempt(spec, one, torch.float64, {k: v.to(torch.float64) for k, v in start.items()}, tape, held)
         if held:
             raise held[0]
-        check_gross_gap(ref.snapshots(), ref64.snapshots(), dtype)
-    return _compare(ref, ref64, par, spec, output_dims, dtype)
+        strayed = gross_gaps(ref.snapshots(), ref64.snapshots(), dtype)
+    return compare(ref, ref64, par, Asked(spec.batch, spec.layouts, output_dims), dtype, strayed)
 
 
 def _initial(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype,
@@ -195,9 +174,9 @@ def _not_a_type(t: Any) -> str:
 
 
 def _attempt(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor],
-             tape: DrawTape, held: list[BaseException]) -> _Run:
+             tape: DrawTape, held: list[BaseException]) -> Run:
     """A reference run (replaying the parallel run's draws) whose failure is held, to be raised in order."""
-    run = _Run()
+    run = Run()
     try:
         _run(spec, shape, dtype, start, False, run, tape)
     except Exception as err:  # noqa: BLE001 - re-raised unchanged once the parallel run had its turn
@@ -216,14 +195,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
-         parallel: bool, run: _Run | None = None, tape: DrawTape | None = None) -> _Run:
+         parallel: bool, run: Run | None = None, tape: DrawTape | None = None) -> Run:
     """Build, load and run one step on a mesh of ``shape``; record everything in ``run``.
 
     The parallel run records its random draws; a reference run replays them from ``tape``.
     """
     import spmd_types as spmd
 
-    run = run if run is not None else _Run()
+    run = run if run is not None else Run()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_default_dtype(dtype))
         mesh = stack.enter_context(simulate(shape, spec.names, ranks="local", device="cpu"))
@@ -235,6 +214,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         if start is not None:
             load_parameters(params, start, info, spec.layouts if parallel else None, parallel=parallel)
         run.initial = {n: _whole(p) for n, p in params.items()}
+        run.before = {n: snapshot(p, n, "update", mesh).values for n, p in params.items()}
         recorder = Recorder(model, mesh, sources=parallel, dtype=dtype)
         batch = None
         try:
@@ -259,7 +239,7 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
         return base.detach().clone()
 
 
-def _record_end(run: _Run, model: torch.nn.Module, loss: Any, recorder: Recorder, mesh: Any) -> None:
+def _record_end(run: Run, model: torch.nn.Module, loss: Any, recorder: Recorder, mesh: Any) -> None:
     if isinstance(loss, torch.Tensor):
         run.loss = snapshot(loss, "loss", "loss", mesh, source=recorder.source_of(loss))
     else:
@@ -269,113 +249,8 @@ def _record_end(run: _Run, model: torch.nn.Module, loss: Any, recorder: Recorder
         if p.grad is not None:
             run.grads.append(snapshot(p.grad, name, "grad", mesh, source=recorder.source_of(p.grad)))
             run.grads[-1].precision = recorder.precision
-        after = snapshot(p, name, "param", mesh, source=recorder.source_of(p))
-        after.precision = recorder.precision
-        run.params.append(after)
-        if run.initial is not None and not run.changed:
-            first = min(after.values)
-            run.changed = not torch.equal(after.values[first], run.initial[name].to(torch.float64))
-
-
-# ---------------------------------------------------------------------------
-# comparing the parallel run with the reference
-
-
-def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec,
-             output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype) -> EquivalenceReport:
-    ref_by, ref64_by = ref.by_key(), (ref64.by_key() if ref64 else {})
-    info = par.mesh
-    assert info is not None
-    compared: list[Comparison] = []
-    skipped: list[NotCompared] = []
-    items = [*par.outputs, *([par.loss] if par.loss else []), *par.grads]
-    if ref.changed or par.changed:
-        items += par.params
-    data_axes = _data_axes(spec.batch)
-    for snap in items:
-        if snap.kind == "random":
-            compared.append(_draw_row(snap, info, data_axes))
-            continue
-        key = (snap.kind, snap.key)
-        mine = ref_by.get(key)
-        if mine is None or not mine.values:
-            why = (mine.why_not if mine is not None else None) or _only_in(snap, ref, par, "the parallel run")
-            skipped.append(NotCompared(snap.key, snap.kind, why))  # type: ignore[arg-type]
-            continue
-        counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
-        row = _compare_one(snap, mine, ref64_by.get(key), info, spec, output_dims, dtype, counts)
-        (skipped if isinstance(row, NotCompared) else compared).append(row)
-    seen = {(s.kind, s.key) for s in items}
-    for (kind, key), snap in ref_by.items():
-        if (kind, key) not in seen and kind in ("output", "grad"):
-            skipped.append(NotCompared(key, kind, _only_in(snap, ref, par, "the reference run")))  # type: ignore
-    world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
-    title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
-    return EquivalenceReport(compared, skipped, title=title)
-
-
-def _data_axes(batch: Mapping[str, Any]) -> frozenset[str]:
-    """The axes the batch is split over (S(d) on some entry): their ranks may share a random stream."""
-    return frozenset(a for entry in batch.values() if isinstance(entry, tuple)
-                     for a, t in entry[1].items() if t.is_varying)
-
-
-def _draw_row(snap: Snapshot, info: MeshInfo, data_axes: frozenset[str]) -> Comparison:
-    """A random draw's row: ok when every rank drew from the stream its type asks for (see _eq_determinism)."""
-    ranks, why = check_draw(snap, info, data_axes)
-    source = format_source(snap.source)
-    row = Divergence if ranks else Comparison
-    return row(snap.key, "random", 0.0, 0.0, 0.0, ranks, source, why)  # type: ignore[arg-type]
-
-
-def _only_in(snap: Snapshot, ref: _Run, par: _Run, run: str) -> str:
-    """Why a value is in one run only: a module that ran more often there, or a name the other model lacks."""
-    if snap.module is not None:
-        ran = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0))
-        if ran[0] != ran[1]:
-            return (f"{_ran(ran)}: only its first {'call is' if min(ran) == 1 else f'{min(ran)} calls are'} "
-                    "compared (a size fixed in step, such as a micro-batch size, changes how often modules run)")
-    return f"only in {run} (build() must make the same modules and parameters on both meshes)"
-
-
-def _ran(counts: tuple[int, int]) -> str:
-    return f"the module ran {counts[0]} time{'s' if counts[0] != 1 else ''} on one device, {counts[1]} on each rank"
-
-
-def _shape_reason(got: list[int], want: list[int], counts: tuple[int, int] | None) -> str:
-    text = f"reassembled from the ranks it is {got}, on one device {want}: the two runs made it with different shapes"
-    if counts is not None and counts[0] != counts[1]:
-        return text + (" (a size fixed in step, such as a micro-batch size, makes the one-device run's pieces "
-                       f"differ: {_ran(counts)})")
-    return text + " (a size that depends on the mesh, in build() or step, differs between the two models)"
-
-
-def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, spec: _Spec,
-                 output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype,
-                 counts: tuple[int, int] | None = None) -> Comparison | NotCompared:
-    want = mine.values[0]
-    want64 = mine64.values[0] if mine64 is not None and mine64.values else None
-    tol = tolerance(want, want64, dtype, snap.precision)
-    norm = float(want.norm()) if want.numel() else 0.0
-    source = format_source(snap.source)
-    glob = match_key(spec.layouts, snap.key) if snap.kind in ("grad", "param") else None
-    why_inf = None
-    if glob is not None:
-        err, ranks, reason = assemble_layout(snap, info, want, spec.layouts[glob], tol, glob)  # type: ignore[index]
-        if err == math.inf:
-            reason, why_inf = None, reason
-    else:
-        given = match(output_dims, snap.module) if snap.module is not None else None
-        got = assemble(snap, info, tuple(want.shape), given, tol)
-        reason, ranks, err = got.reason, got.ranks, math.inf  # a reassembled shape unlike the reference's: inf
-        if got.value is not None and got.shape_error is None:
-            err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
-        elif got.value is not None:
-            why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
-    if reason is not None:
-        return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
-    row = Comparison(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
-    if row.ok:
-        return row
-    return Divergence(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
-
+        update = snapshot(p, name, "update", mesh, source=recorder.source_of(p))
+        update.values = {r: v - run.before[name][r] for r, v in update.values.items()}
+        update.precision = recorder.precision
+        run.updates.append(update)
+        run.changed = run.changed or any(bool(v.any()) for v in update.values.values())

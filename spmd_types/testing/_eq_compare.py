@@ -1,0 +1,176 @@
+"""Comparing a parallel run of ``check_equivalence`` with the reference: one row per value, or why it is not compared.
+
+What one run recorded is a :class:`Run`. Module outputs, the loss and gradients are reassembled by type
+(``_eq_align``) and held to their tolerance; random draws are checked per rank (``_eq_determinism``);
+an optimizer step is compared by its update, the parameter after the step minus before it, so that the
+tolerance follows the update's round-off rather than the parameter's (docs/choices.md, choice 45).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ._eq_align import SAFETY, MeshInfo, assemble, assemble_layout, match, match_key, tolerance
+from ._eq_determinism import check_draw
+from ._eq_record import Snapshot, format_source
+from ._eq_report import Comparison, Divergence, EquivalenceReport, NotCompared
+
+__all__ = ["Run", "Asked", "compare"]
+
+
+@dataclass
+class Run:
+    """What one run recorded, in execution order (filled as the run goes, so a failed step keeps its start)."""
+
+    initial: dict[str, torch.Tensor] | None = None
+    outputs: list[Snapshot] = field(default_factory=list)
+    loss: Snapshot | None = None
+    grads: list[Snapshot] = field(default_factory=list)
+    updates: list[Snapshot] = field(default_factory=list)  # each parameter after the step minus before it
+    before: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # every rank's parameters at the start
+    changed: bool = False  # some parameter changed during the step (an optimizer step ran)
+    mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
+    calls: dict[str, int] = field(default_factory=dict)  # how many times each module's forward ran
+
+    def snapshots(self) -> list[Snapshot]:
+        """Everything recorded, in execution order."""
+        return [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.updates]
+
+    def by_key(self) -> dict[tuple[str, str], Snapshot]:
+        return {(s.kind, s.key): s for s in self.snapshots()}
+
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What the caller gave that the comparison reads: the batch, layouts and output dims."""
+
+    batch: Mapping[str, Any]
+    layouts: Mapping[str, Callable[..., torch.Tensor]] | None
+    output_dims: Mapping[str, Mapping[str, int]] | None
+
+
+
+
+def compare(ref: Run, ref64: Run | None, par: Run, ask: Asked, dtype: torch.dtype,
+            strayed: Mapping[tuple[str, str], str]) -> EquivalenceReport:
+    """The report: each parallel value against the reference, in execution order, or why it is not compared.
+
+    ``ref64`` is the reference's float64 run (None in float64), ``strayed`` the values whose float64 run
+    strays grossly from the run in ``dtype`` (:func:`~._eq_determinism.gross_gaps`), each with its reason.
+    """
+    ref_by, ref64_by = ref.by_key(), (ref64.by_key() if ref64 else {})
+    info = par.mesh
+    assert info is not None
+    compared: list[Comparison] = []
+    skipped: list[NotCompared] = []
+    items = [*par.outputs, *([par.loss] if par.loss else []), *par.grads]
+    if ref.changed or par.changed:
+        items += par.updates
+    data_axes = _data_axes(ask.batch)
+    for snap in items:
+        if snap.kind == "random":
+            compared.append(_draw_row(snap, info, data_axes))
+            continue
+        key = (snap.kind, snap.key)
+        mine = ref_by.get(key)
+        if mine is None or not mine.values:
+            why = (mine.why_not if mine is not None else None) or _only_in(snap, ref, par, "the parallel run")
+            skipped.append(NotCompared(snap.key, snap.kind, why))  # type: ignore[arg-type]
+            continue
+        if key in strayed:
+            skipped.append(NotCompared(snap.key, snap.kind, strayed[key]))  # type: ignore[arg-type]
+            continue
+        counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
+        row = _compare_one(snap, mine, ref64_by.get(key), info, ask, dtype, counts)
+        (skipped if isinstance(row, NotCompared) else compared).append(row)
+    seen = {(s.kind, s.key) for s in items}
+    for (kind, key), snap in ref_by.items():
+        if (kind, key) not in seen and kind in ("output", "grad"):
+            skipped.append(NotCompared(key, kind, _only_in(snap, ref, par, "the reference run")))  # type: ignore
+    world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
+    title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
+    return EquivalenceReport(compared, skipped, title=title)
+
+
+def _data_axes(batch: Mapping[str, Any]) -> frozenset[str]:
+    """The axes the batch is split over (S(d) on some entry): their ranks may share a random stream."""
+    return frozenset(a for entry in batch.values() if isinstance(entry, tuple)
+                     for a, t in entry[1].items() if t.is_varying)
+
+
+def _draw_row(snap: Snapshot, info: MeshInfo, data_axes: frozenset[str]) -> Comparison:
+    """A random draw's row: ok when every rank drew from the stream its type asks for (see _eq_determinism)."""
+    ranks, why = check_draw(snap, info, data_axes)
+    source = format_source(snap.source)
+    row = Divergence if ranks else Comparison
+    return row(snap.key, "random", 0.0, 0.0, 0.0, ranks, source, why)  # type: ignore[arg-type]
+
+
+def _only_in(snap: Snapshot, ref: Run, par: Run, run: str) -> str:
+    """Why a value is in one run only: a module that ran more often there, or a name the other model lacks."""
+    if snap.module is not None:
+        ran = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0))
+        if ran[0] != ran[1]:
+            return (f"{_ran(ran)}: only its first {'call is' if min(ran) == 1 else f'{min(ran)} calls are'} "
+                    "compared (a size fixed in step, such as a micro-batch size, changes how often modules run)")
+    return f"only in {run} (build() must make the same modules and parameters on both meshes)"
+
+
+def _ran(counts: tuple[int, int]) -> str:
+    return f"the module ran {counts[0]} time{'s' if counts[0] != 1 else ''} on one device, {counts[1]} on each rank"
+
+
+def _shape_reason(got: list[int], want: list[int], counts: tuple[int, int] | None) -> str:
+    text = f"reassembled from the ranks it is {got}, on one device {want}: the two runs made it with different shapes"
+    if counts is not None and counts[0] != counts[1]:
+        return text + (" (a size fixed in step, such as a micro-batch size, makes the one-device run's pieces "
+                       f"differ: {_ran(counts)})")
+    return text + " (a size that depends on the mesh, in build() or step, differs between the two models)"
+
+
+def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, ask: Asked,
+                 dtype: torch.dtype, counts: tuple[int, int] | None = None) -> Comparison | NotCompared:
+    want = mine.values[0]
+    want64 = mine64.values[0] if mine64 is not None and mine64.values else None
+    tol = tolerance(want, want64, dtype, snap.precision)
+    norm = float(want.norm()) if want.numel() else 0.0
+    source = format_source(snap.source)
+    glob = match_key(ask.layouts, snap.key) if snap.kind in ("grad", "update") else None
+    why_inf = None
+    if glob is not None:
+        err, ranks, reason = assemble_layout(snap, info, want, ask.layouts[glob], tol, glob)  # type: ignore[index]
+        if err == math.inf:
+            reason, why_inf = None, reason
+    else:
+        given = match(ask.output_dims, snap.module) if snap.module is not None else None
+        got = assemble(snap, info, tuple(want.shape), given, tol)
+        reason, ranks, err = got.reason, got.ranks, math.inf  # a reassembled shape unlike the reference's: inf
+        if got.value is not None and got.shape_error is None:
+            err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
+        elif got.value is not None:
+            why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
+    if reason is None and snap.kind == "update":
+        reason = _below_resolution(want, tol, snap.precision or dtype)
+    if reason is not None:
+        return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
+    row = Comparison(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
+    if row.ok:
+        return row
+    return Divergence(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
+
+
+def _below_resolution(update: torch.Tensor, tol: float, dtype: torch.dtype) -> str | None:
+    """Why an update cannot be compared: its round-off, as its tolerance measures it, is half its size or more."""
+    scale = float(update.abs().max()) if update.numel() else 0.0
+    if not tol >= 0.5 * scale:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return (f"its round-off in {name} ({tol / SAFETY:.1e}, against float64) is as large as its update (largest entry "
+            f"{scale:.1e}): parameters too coarse to hold the update, or an optimizer that divides by a gradient's "
+            "size (Adam where gradients are near zero), leave nothing to compare; check optimizer steps in float64 "
+            "(dtype=torch.float64)")
