@@ -277,7 +277,8 @@ def test_a_parameter_whose_type_gives_no_piece_needs_a_layout():
     assert str(err.value) == (
         "check_equivalence loads a parameter by its type when the type says which piece each rank holds (S(d): a "
         "chunk of dim d; R and I: the whole), but parameter 'b' is P on 'tp': give its layout: layouts={'b': "
-        "fn(full, coords) -> local}")
+        "fn(full, coords) -> local}, or, when each rank holds other whole parameters (experts), their names: "
+        "reference_names={'b': fn(name, coords) -> reference name}")
 
 
 # ---------------------------------------------------------------------------

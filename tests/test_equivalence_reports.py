@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import spmd_types as spmd
 from spmd_types.testing import check_equivalence
-from spmd_types.testing._eq_align import MeshInfo, assemble_layout
+from spmd_types.testing._eq_align import MeshInfo, assemble_per_rank
 from spmd_types.testing._eq_record import Snapshot, _skipped
 
 R, I, V, P, S = spmd.R, spmd.I, spmd.V, spmd.P, spmd.S
@@ -135,7 +135,9 @@ def test_a_layout_that_cuts_a_value_unlike_the_parallel_one_says_why():
     # a gradient always has its parameter's shape, so this is the update of a step that resized the parameter
     snap = Snapshot("w", "update", types={"tp": S(0)}, values={0: torch.ones(2, 4), 1: torch.ones(2, 4)})
     mesh = MeshInfo(("tp",), (2,), {0: (0,), 1: (1,)})
-    err, ranks, reason = assemble_layout(snap, mesh, torch.ones(8, 4), _rows, 1e-9, "w")
+    full = torch.ones(8, 4)
+    expected = lambda rank: (_rows(full, mesh.coord_dict(rank)), full)  # noqa: E731
+    err, ranks, reason = assemble_per_rank(snap, mesh, expected, 1e-9, "layouts['w']")
     assert (err, ranks) == (float("inf"), (0,))
     assert reason == "layouts['w'] gives [4, 4] on rank 0 from the reference's [8, 4], but the parallel value is [2, 4]"
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from ._eq_align import SAFETY, MeshInfo, assemble, assemble_layout, match, match_key, tolerance
+from .._core.types import I, P
+from ._eq_align import SAFETY, MeshInfo, Sources, assemble, assemble_per_rank, match, match_key, tolerance
 from ._eq_determinism import check_draw
 from ._eq_record import Snapshot, format_source
 from ._eq_report import Comparison, Divergence, EquivalenceReport, NotCompared
@@ -47,10 +48,10 @@ class Run:
 
 @dataclass(frozen=True)
 class Asked:
-    """What the caller gave that the comparison reads: the batch, layouts and output dims."""
+    """What the caller gave that the comparison reads: the batch, layouts and reference names, output dims."""
 
     batch: Mapping[str, Any]
-    layouts: Mapping[str, Callable[..., torch.Tensor]] | None
+    sources: Sources
     output_dims: Mapping[str, Mapping[str, int]] | None
 
 
@@ -77,6 +78,9 @@ def compare(ref: Run, ref64: Run | None, par: Run, ask: Asked, dtype: torch.dtyp
             compared.append(_draw_row(snap, info, data_axes))
             continue
         key = (snap.kind, snap.key)
+        if snap.kind == "output" and match_key(ask.sources.names, snap.key) is not None:
+            skipped.append(NotCompared(snap.key, "output", _RENAMED_OUTPUT))
+            continue
         mine = ref_by.get(key)
         if mine is None or not mine.values:
             why = (mine.why_not if mine is not None else None) or _only_in(snap, ref, par, "the parallel run")
@@ -85,16 +89,25 @@ def compare(ref: Run, ref64: Run | None, par: Run, ask: Asked, dtype: torch.dtyp
         if key in strayed:
             skipped.append(NotCompared(snap.key, snap.kind, strayed[key]))  # type: ignore[arg-type]
             continue
-        counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
-        row = _compare_one(snap, mine, ref64_by.get(key), info, ask, dtype, counts)
+        if snap.kind in ("grad", "update") and ask.sources.per_rank(snap.key):
+            row = _per_rank_row(snap, ref_by, ref64_by, info, ask.sources, dtype)
+        else:
+            counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
+            row = _compare_one(snap, mine, ref64_by.get(key), info, ask, dtype, counts)
         (skipped if isinstance(row, NotCompared) else compared).append(row)
-    seen = {(s.kind, s.key) for s in items}
+    seen = {(s.kind, s.key) for s in items} | _renamed_sources(par, ask.sources, info)
     for (kind, key), snap in ref_by.items():
-        if (kind, key) not in seen and kind in ("output", "grad"):
+        renamed = kind == "output" and match_key(ask.sources.names, key) is not None
+        if (kind, key) not in seen and kind in ("output", "grad") and not renamed:
             skipped.append(NotCompared(key, kind, _only_in(snap, ref, par, "the reference run")))  # type: ignore
     world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
     title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
     return EquivalenceReport(compared, skipped, title=title)
+
+
+_RENAMED_OUTPUT = ("the output of a module named by reference_names (an expert): which tokens reach it on each rank "
+                   "is the expert-parallel exchange's choice, not one device's; the layer's output after the "
+                   "exchange back is compared")
 
 
 def _data_axes(batch: Mapping[str, Any]) -> frozenset[str]:
@@ -135,33 +148,62 @@ def _shape_reason(got: list[int], want: list[int], counts: tuple[int, int] | Non
 
 def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, ask: Asked,
                  dtype: torch.dtype, counts: tuple[int, int] | None = None) -> Comparison | NotCompared:
+    """A value reassembled from its per-rank pieces by its type, against the reference's value of its name."""
     want = mine.values[0]
     want64 = mine64.values[0] if mine64 is not None and mine64.values else None
     tol = tolerance(want, want64, dtype, snap.precision)
-    norm = float(want.norm()) if want.numel() else 0.0
-    source = format_source(snap.source)
-    glob = match_key(ask.layouts, snap.key) if snap.kind in ("grad", "update") else None
-    why_inf = None
-    if glob is not None:
-        err, ranks, reason = assemble_layout(snap, info, want, ask.layouts[glob], tol, glob)  # type: ignore[index]
-        if err == math.inf:
-            reason, why_inf = None, reason
-    else:
-        given = match(ask.output_dims, snap.module) if snap.module is not None else None
-        got = assemble(snap, info, tuple(want.shape), given, tol)
-        reason, ranks, err = got.reason, got.ranks, math.inf  # a reassembled shape unlike the reference's: inf
-        if got.value is not None and got.shape_error is None:
-            err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
-        elif got.value is not None:
-            why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
+    given = match(ask.output_dims, snap.module) if snap.module is not None else None
+    got = assemble(snap, info, tuple(want.shape), given, tol)
+    reason, ranks, err, why_inf = got.reason, got.ranks, math.inf, None  # a shape unlike the reference's: inf
+    if got.value is not None and got.shape_error is None:
+        err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
+    elif got.value is not None:
+        why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
+    return _row(snap, err, tol, want, ranks, reason, why_inf, dtype)
+
+
+def _per_rank_row(snap: Snapshot, ref_by: Mapping[tuple[str, str], Snapshot],
+                  ref64_by: Mapping[tuple[str, str], Snapshot], info: MeshInfo, sources: Sources,
+                  dtype: torch.dtype) -> Comparison | NotCompared:
+    """A gradient or update with a layout or a reference name: each rank against its own piece of the reference."""
+    values = {k: s.values[0] for (kind, k), s in ref_by.items() if kind == snap.kind and s.values}
+    values64 = {k: s.values[0] for (kind, k), s in ref64_by.items() if kind == snap.kind and s.values}
+    names = {sources.reference_name(snap.key, info.coord_dict(r)) for r in info.coords}
+    missing = sorted(n for n in names if n not in values)
+    if missing:
+        return NotCompared(snap.key, snap.kind, f"its reference '{missing[0]}' has no {snap.kind} in the reference "  # type: ignore[arg-type]
+                                                "run")
+    tol = max(tolerance(values[n], values64.get(n), dtype, snap.precision) for n in names)
+    want = max((values[n] for n in names), key=lambda v: float(v.abs().max()) if v.numel() else 0.0)
+    whole = {a: (I if t is P else t) for a, t in (snap.types or {}).items()}  # a P gradient: its sum is compared
+
+    def expected(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return sources.piece(snap.key, whole, info, rank, values)
+
+    err, ranks, reason = assemble_per_rank(snap, info, expected, tol, sources.label(snap.key))
+    why_inf = reason if err == math.inf else None
+    return _row(snap, err, tol, want, ranks, None if why_inf else reason, why_inf, dtype)
+
+
+def _row(snap: Snapshot, err: float, tol: float, want: torch.Tensor, ranks: tuple[int, ...], reason: str | None,
+         why_inf: str | None, dtype: torch.dtype) -> Comparison | NotCompared:
     if reason is None and snap.kind == "update":
         reason = _below_resolution(want, tol, snap.precision or dtype)
     if reason is not None:
         return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
-    row = Comparison(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
-    if row.ok:
-        return row
-    return Divergence(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
+    norm = float(want.norm()) if want.numel() else 0.0
+    source = format_source(snap.source)
+    kind = Comparison if (not ranks and err <= tol) else Divergence
+    return kind(snap.key, snap.kind, err, tol, norm, ranks, source, why_inf)  # type: ignore[arg-type]
+
+
+def _renamed_sources(par: Run, sources: Sources, info: MeshInfo) -> set[tuple[str, str]]:
+    """The reference's (kind, name) of every renamed parallel gradient: compared, though under another name."""
+    out = set()
+    for snap in par.grads:
+        if match_key(sources.names, snap.key) is not None:
+            out |= {("grad", sources.reference_name(snap.key, info.coord_dict(r))) for r in info.coords}
+    return out
 
 
 def _below_resolution(update: torch.Tensor, tol: float, dtype: torch.dtype) -> str | None:

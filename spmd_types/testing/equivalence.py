@@ -19,7 +19,7 @@ import torch
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import Shard, SpmdType
-from ._eq_align import MeshInfo, load_parameters, local_batch
+from ._eq_align import MeshInfo, Sources, load_parameters, local_batch
 from ._eq_compare import Asked, Run, compare
 from ._eq_determinism import DrawMode, DrawTape, check_repeats, gross_gaps
 from ._eq_record import Recorder, Snapshot, snapshot
@@ -38,7 +38,7 @@ class _Spec:
     step: Callable[..., Any]
     batch: Mapping[str, Any]
     names: tuple[str, ...]
-    layouts: Mapping[str, Callable[..., torch.Tensor]] | None
+    sources: Sources
     seed: int
 
 
@@ -50,6 +50,7 @@ def check_equivalence(
     mesh_shape: tuple[int, ...] = (2, 2),
     names: tuple[str, ...] = ("dp", "tp"),
     layouts: Mapping[str, Callable[[torch.Tensor, dict[str, int]], torch.Tensor]] | None = None,
+    reference_names: Mapping[str, Callable[[str, dict[str, int]], str]] | None = None,
     output_dims: Mapping[str, Mapping[str, int]] | None = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     dtype: torch.dtype = torch.float64,
@@ -86,7 +87,7 @@ def check_equivalence(
     """
     mesh_shape, names = tuple(mesh_shape), tuple(names)
     _check_arguments(mesh_shape, names, batch, dtype)
-    spec = _Spec(build, step, batch, names, layouts, seed)
+    spec = _Spec(build, step, batch, names, Sources(layouts, reference_names), seed)
     rng = torch.get_rng_state()  # the runs seed torch's generator; the caller's stream is left as it was
     try:
         return _check(spec, mesh_shape, output_dims, state_dict, dtype)
@@ -113,7 +114,7 @@ def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, M
         if held:
             raise held[0]
         strayed = gross_gaps(ref.snapshots(), ref64.snapshots(), dtype)
-    return compare(ref, ref64, par, Asked(spec.batch, spec.layouts, output_dims), dtype, strayed)
+    return compare(ref, ref64, par, Asked(spec.batch, spec.sources, output_dims), dtype, strayed)
 
 
 def _initial(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype,
@@ -212,7 +213,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
             model = _built(spec, mesh)
         params = dict(model.named_parameters())
         if start is not None:
-            load_parameters(params, start, info, spec.layouts if parallel else None, parallel=parallel)
+            load_parameters(params, start, info, spec.sources if parallel else None, parallel=parallel)
         run.initial = {n: _whole(p) for n, p in params.items()}
         run.before = {n: snapshot(p, n, "update", mesh).values for n, p in params.items()}
         recorder = Recorder(model, mesh, sources=parallel, dtype=dtype)
