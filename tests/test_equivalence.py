@@ -105,7 +105,8 @@ def test_a_correct_step_is_ok_and_compares_every_kind_in_order():
         ("output", "fc2", "V on 'tp' whose pieces make the reference's shape [4, 8] on no dim (local [2, 8]): a "
                           "pending sum typed V (local SPMD's row-parallel product) has no layout to reassemble, and "
                           "the value after its reduction is compared; to compare it too, type it P "
-                          "(spmd.reinterpret(x, 'tp', src=spmd.V, dst=spmd.P))")]
+                          "(spmd.reinterpret(x, 'tp', src=spmd.V, dst=spmd.P)); pieces interleaved by a flatten of "
+                          "two split dims have none either")]
     for c in report.compared:
         assert c.max_abs_error <= c.tolerance and c.ranks == () and c.reference_norm > 0
 

@@ -129,3 +129,43 @@ def test_bug_attention_dropout_with_the_same_seed_on_every_tp_rank(cpu):
         "decoder.layers.0.self_attention.core_attention.attention_dropout", "random", (0, 1, 2, 3))
     assert first.reason.startswith("ranks 0, 1, 2, 3 draw the same numbers on 'tp', where the value is V")
     assert _where(first.source).startswith("megatron/core/transformer/dot_product_attention.py:")
+
+
+# ---------------------------------------------------------------------------
+# the MoE GPTModel: experts over ep, named by reference_names
+
+
+@pytest.fixture
+def moe_cpu(monkeypatch):
+    from _megatron_moe_support import accommodate_moe_cpu
+
+    accommodate_moe_cpu(monkeypatch.setattr)
+    yield monkeypatch
+    ps.destroy_model_parallel()
+
+
+def _check_moe(shape: tuple[int, int], over: str):
+    return check_equivalence(M.build_moe, M.step_moe, M.batch(), mesh_shape=shape, output_dims=M.OUTPUT_DIMS,
+                             reference_names=M.local_experts(over))
+
+
+def test_moe_gpt_model_with_experts_over_dp_matches_one_device(moe_cpu):
+    report = _check_moe((2, 2), "dp")  # tp=2 (sequence parallel), ep=2 over dp's ranks, etp=2
+    assert report.ok, report
+    experts = [c.name for c in report.compared if c.kind == "grad" and ".local_experts." in c.name]
+    assert len(experts) == 8  # 2 layers x 2 local experts x fc1, fc2: each rank's against its own reference
+    assert {n.reason.split(":")[0] for n in report.not_compared} == {
+        "the output of a module named by reference_names (an expert)", "its ranks hold different shapes ([(21, 16), "
+        "(43, 16)])", "its ranks hold different shapes ([(30, 16), (34, 16)])",
+        "V on 'tp' whose pieces make the reference's shape [32, 4] on no dim (local [8, 4])"}
+
+
+def test_bug_moe_router_logits_stabilized_over_the_tokens(moe_cpu):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    moe_cpu.setattr(TopKRouter, "gating", M.router_max_over_tokens(TopKRouter.gating))
+    report = _check_moe((1, 2), "tp")  # tp=2 (sequence parallel), ep=2 over tp's ranks, etp=1
+    first = report.first
+    assert (first.name, first.kind) == ("decoder.layers.0.mlp.router", "output"), report
+    # the router's output is made in Megatron's routing function, downstream of the planted line in gating
+    assert _where(first.source).startswith("megatron/core/transformer/moe/moe_utils.py:")

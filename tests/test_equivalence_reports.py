@@ -182,4 +182,4 @@ def test_not_compared_reasons_name_their_fix():
         "proj", "V on 'tp' whose pieces make the reference's shape [3, 4] on no dim (local [3, 4]): a pending sum "
                 "typed V (local SPMD's row-parallel product) has no layout to reassemble, and the value after its "
                 "reduction is compared; to compare it too, type it P (spmd.reinterpret(x, 'tp', src=spmd.V, "
-                "dst=spmd.P))")]
+                "dst=spmd.P)); pieces interleaved by a flatten of two split dims have none either")]

@@ -190,6 +190,11 @@ def test_local_ranks_read_their_own_rank_from_every_group():
     with simulate((2,), ("tp",), ranks="local", device="cpu") as mesh:  # a 1-D mesh's group is the default one
         got = rank_values(torch.zeros(1, dtype=torch.long) + dist.get_rank(mesh.get_group("tp")))
         assert {r: v.tolist() for r, v in got.items()} == {0: [0], 1: [1]}
+        # slicing with per-rank bounds (Megatron's local experts: routing_map[:, first:last])
+        first = 2 * dist.get_rank(mesh.get_group("tp"))
+        got = rank_values(per_rank(lambda r: torch.arange(8).view(2, 4))[:, first:first + 2])
+        assert {r: v.tolist() for r, v in got.items()} == {0: [[0, 1], [4, 5]], 1: [[2, 3], [6, 7]]}
+    assert not hasattr(torch._C._SymNode, "statically_known_true")  # taken away after the simulation
     assert dist.get_rank.__module__ == "torch.distributed.distributed_c10d"  # put back on exit
     assert type(min).__name__ == type(max).__name__ == "builtin_function_or_method"  # the builtins back
     _no_group()

@@ -288,7 +288,8 @@ def _v_dims(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given: M
         return (f"V on {axes} whose pieces make the reference's shape {list(ref_shape)} on no dim (local "
                 f"{list(local)}): a pending sum typed V (local SPMD's row-parallel product) has no layout to "
                 "reassemble, and the value after its reduction is compared; to compare it too, type it P "
-                f"(spmd.reinterpret(x, {first!r}, src=spmd.V, dst=spmd.P))")
+                f"(spmd.reinterpret(x, {first!r}, src=spmd.V, dst=spmd.P)); pieces interleaved by a flatten of "
+                "two split dims have none either")
     options = ", ".join("{" + ", ".join(f"{a}: {d}" for a, d in f.items()) + "}" for f in fits)
     return (f"V on {axes}: the shapes (local {list(local)}, reference {list(ref_shape)}) fit several layouts "
             f"({options}); name the dims with output_dims={{'{snap.module or snap.key}': {{axis: dim}}}}")

@@ -73,6 +73,7 @@ def compare(ref: Run, ref64: Run | None, par: Run, ask: Asked, dtype: torch.dtyp
     if ref.changed or par.changed:
         items += par.updates
     data_axes = _data_axes(ask.batch)
+    param_types = {u.key: u.types for u in par.updates}  # a gradient is cut as its parameter is
     for snap in items:
         if snap.kind == "random":
             compared.append(_draw_row(snap, info, data_axes))
@@ -90,7 +91,7 @@ def compare(ref: Run, ref64: Run | None, par: Run, ask: Asked, dtype: torch.dtyp
             skipped.append(NotCompared(snap.key, snap.kind, strayed[key]))  # type: ignore[arg-type]
             continue
         if snap.kind in ("grad", "update") and ask.sources.per_rank(snap.key):
-            row = _per_rank_row(snap, ref_by, ref64_by, info, ask.sources, dtype)
+            row = _per_rank_row(snap, param_types.get(snap.key), ref_by, ref64_by, info, ask.sources, dtype)
         else:
             counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
             row = _compare_one(snap, mine, ref64_by.get(key), info, ask, dtype, counts)
@@ -162,7 +163,7 @@ def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: 
     return _row(snap, err, tol, want, ranks, reason, why_inf, dtype)
 
 
-def _per_rank_row(snap: Snapshot, ref_by: Mapping[tuple[str, str], Snapshot],
+def _per_rank_row(snap: Snapshot, types: Mapping[str, Any] | None, ref_by: Mapping[tuple[str, str], Snapshot],
                   ref64_by: Mapping[tuple[str, str], Snapshot], info: MeshInfo, sources: Sources,
                   dtype: torch.dtype) -> Comparison | NotCompared:
     """A gradient or update with a layout or a reference name: each rank against its own piece of the reference."""
@@ -175,7 +176,7 @@ def _per_rank_row(snap: Snapshot, ref_by: Mapping[tuple[str, str], Snapshot],
                                                 "run")
     tol = max(tolerance(values[n], values64.get(n), dtype, snap.precision) for n in names)
     want = max((values[n] for n in names), key=lambda v: float(v.abs().max()) if v.numel() else 0.0)
-    whole = {a: (I if t is P else t) for a, t in (snap.types or {}).items()}  # a P gradient: its sum is compared
+    whole = {a: (I if t is P else t) for a, t in (types or snap.types or {}).items()}  # P: its sum is compared
 
     def expected(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return sources.piece(snap.key, whole, info, rank, values)

@@ -244,18 +244,27 @@ def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _per_rank_ints_have_hints() -> Iterator[None]:
-    """A per-rank int (``LocalIntNode``) holds concrete values: it has a hint (torch 2.13 lacks ``has_hint``).
+    """Per-rank ints answer what torch asks of concrete sizes (``has_hint``, ``statically_known_true``).
 
-    An expert-parallel token exchange makes tensors whose length differs per rank; indexing one asks
-    its size for a hint. torch 2.14's ``LocalIntNode`` answers; on 2.13 it is added for the simulation.
+    A per-rank int (``LocalIntNode``) holds concrete values, so it has a hint: an expert-parallel token
+    exchange makes tensors whose length differs per rank, and indexing one asks its size for a hint.
+    Slicing with per-rank bounds (Megatron's experts: ``routing_map[:, first:last]`` with ``first``
+    from the ep rank) compares them, and torch asks the comparison (a constant bool node) whether it is
+    statically known true. Neither torch 2.13's nor 2.14's simulator answers; both are added for the
+    simulation and taken away after it.
     """
     from torch.distributed._local_tensor import LocalIntNode
 
-    added = not hasattr(LocalIntNode, "has_hint")
-    if added:
+    added = []
+    if not hasattr(LocalIntNode, "has_hint"):
         LocalIntNode.has_hint = lambda self: True  # type: ignore[attr-defined]
+        added.append((LocalIntNode, "has_hint"))
+    node = torch._C._SymNode
+    if not hasattr(node, "statically_known_true"):
+        node.statically_known_true = lambda self, file, line: self.guard_or_false(file, line)  # type: ignore[attr-defined]
+        added.append((node, "statically_known_true"))
     try:
         yield
     finally:
-        if added:
-            del LocalIntNode.has_hint  # type: ignore[attr-defined]
+        for owner, name in added:
+            delattr(owner, name)
