@@ -14,7 +14,7 @@ grouped matmul in float32, ``fully_shard`` not applied); docs/equivalence.md nam
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -34,9 +34,9 @@ class Options:
     model: str = "llama3"
     sp: bool = False
     lr: float | None = None  # an SGD step with this learning rate after the gradient sync
-    optimizer: Callable[..., Any] | None = None  # (params, lr, parallel_dims) -> optimizer; default SGD
+    optimizer: Callable[..., Any] | None = None  # (named parameters, lr, parallel_dims) -> optimizer; default SGD
     ep: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    after_build: Callable[[torch.nn.Module, Any], None] | None = None  # (model, parallel_dims): a planted change
 
 
 def _sizes(mesh: Any) -> dict[str, int]:
@@ -71,6 +71,8 @@ def build(mesh: Any, opts: Options) -> torch.nn.Module:
     loss_fn = cfg.loss.build(compile_config=cfg.compile)
     loss_fn.set_lm_head(model.lm_head)
     model._skip_lm_head = True
+    if opts.after_build is not None:
+        opts.after_build(model, parallel_dims)
     model.__dict__["_titan"] = (cfg, parallel_dims, loss_fn)  # not a submodule: kept out of named_modules
     return model
 
@@ -113,8 +115,8 @@ def step(model: torch.nn.Module, batch: dict, mesh: Any, opts: Options) -> torch
             if p.grad is not None and spmd.get_type(p.grad).get("dp") is P:
                 p.grad = spmd.all_reduce(p.grad, "dp", src=P, dst=R)
         if opts.lr is not None:
-            make = opts.optimizer or (lambda params, lr, pd: torch.optim.SGD(params, lr=lr))
-            make(list(model.parameters()), opts.lr, pd).step()
+            make = opts.optimizer or (lambda named, lr, pd: torch.optim.SGD([p for _, p in named], lr=lr))
+            make(list(model.named_parameters()), opts.lr, pd).step()
         return spmd.all_reduce(loss.detach(), "dp", src=P, dst=I) if pd.dp_enabled else loss.detach()
 
 
