@@ -3,7 +3,7 @@
 What one run recorded is a :class:`Run`. Module outputs, the loss and gradients are reassembled by type
 (``_eq_align``) and held to their tolerance; random draws are checked per rank (``_eq_determinism``);
 an optimizer step is compared by its update, the parameter after the step minus before it, so that the
-tolerance follows the update's round-off rather than the parameter's (docs/choices.md, choice 45).
+tolerance follows the update's round-off rather than the parameter's (docs/choices.md, choice 46).
 """
 
 from __future__ import annotations

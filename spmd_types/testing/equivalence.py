@@ -59,25 +59,33 @@ def check_equivalence(
     """Run ``step`` on simulated ranks and on one device; report the first value where they differ.
 
     ``build(mesh)`` returns the model with typed parameters; it is called inside
-    ``spmd.typecheck()`` with torch's default dtype set to ``dtype``, once on a one-device mesh
-    (every axis of size 1: the reference) and once on the ``mesh_shape`` mesh, whose ranks are
-    simulated in this process (``LocalTensorMode``, CPU). The parallel parameters are then loaded
-    from the reference's (``state_dict`` if given, else the reference build's own initialisation)
-    by their types: S(d), this rank's contiguous chunk of dim d; R and I, the whole; a parameter
-    matching a glob of ``layouts`` gets ``layouts[glob](full, coords)`` (``coords``: this rank's
-    ``{axis: index}``). ``step(model, batch, mesh)`` is one training step as the trainer writes it
-    (forward, backward, gradient sync, maybe an optimizer step), run inside ``spmd.typecheck()``,
-    returning the loss; ``batch`` maps names to ``(global tensor, {axis: type})``: S(d) entries
-    are cut into chunks of dim d, R/I ones given whole, each typed as given (a bare tensor is
-    given whole and untyped). Below float64 the reference also runs in float64 to measure its own
-    round-off, which sets each value's tolerance (docs/equivalence.md).
+    ``spmd.typecheck()`` with torch's default dtype set to ``dtype``, on the ``mesh_shape`` mesh,
+    whose ranks are simulated in this process (``LocalTensorMode``, CPU; each reads its own rank
+    from ``dist.get_rank(group)`` and ``group.rank()``), and on a one-device mesh (every axis of
+    size 1: the reference). The parallel parameters are loaded from the reference's
+    (``state_dict`` if given, else the reference build's own initialisation) by their types: S(d),
+    this rank's contiguous chunk of dim d; R and I, the whole; a parameter matching a glob of
+    ``layouts`` gets ``layouts[glob](full, coords)`` (``coords``: this rank's ``{axis: index}``);
+    one matching a glob of ``reference_names`` comes from the reference parameter
+    ``reference_names[glob](name, coords)`` (expert k of ep rank r: ``local_experts.{r*n+k}``).
+    ``step(model, batch, mesh)`` is one training step as the trainer writes it (forward, backward,
+    gradient sync, maybe an optimizer step), run inside ``spmd.typecheck()``, returning the loss;
+    ``batch`` maps names to ``(global tensor, {axis: type})``: S(d) entries are cut into chunks of
+    dim d, R/I ones given whole, each typed as given (a bare tensor is given whole and untyped).
 
-    Every module's forward output, the loss, every gradient and every updated parameter (when the
-    step changed them) are reassembled by type (R/I: one copy, checked equal on every rank; P:
-    summed; S(d): concatenated on d; V: on its partition spec's dim, else ``output_dims[glob]
-    [axis]``, else the one dim the shapes allow) and compared with the reference. A value whose
-    layout cannot be told is listed in ``report.not_compared`` with the reason, never guessed.
-    An ``SpmdTypeError`` raised by the parallel step propagates unchanged: types first.
+    The parallel run goes first and records its random draws; the reference runs twice replaying
+    them (each draw is also checked per rank for the stream its type asks for), and below float64
+    a third time in float64 to measure its round-off, which sets each value's tolerance
+    (docs/equivalence.md). A step whose two reference runs differ, or whose draws cannot be
+    replayed, raises :class:`NondeterministicStepError` instead of passing.
+
+    Every module's forward output, the loss, every gradient and every update (the parameter after
+    the step minus before it, when the step changed any) are reassembled by type (R/I: one copy,
+    checked equal on every rank; P: summed; S(d): concatenated on d; V: on its partition spec's
+    dim, else ``output_dims[glob][axis]``, else the one dim the shapes allow) and compared with the
+    reference. A value whose layout cannot be told is listed in ``report.not_compared`` with the
+    reason, never guessed. An ``SpmdTypeError`` raised by the parallel step propagates unchanged:
+    types first.
 
     Example::
 
