@@ -93,8 +93,6 @@ def types_on(t: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
 def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | None = None,
              source: Where | None = None) -> Snapshot:
     """Record ``t``: its types on ``mesh``'s axes, its partition-spec dims, every rank's value."""
-    from .._checker.asserts import get_partition_spec
-
     snap = Snapshot(key, kind, module=module, source=source)
     if is_dtensor(t):
         snap.types, snap.why_not = _dtensor_types(t, tuple(mesh.mesh_dim_names))
@@ -106,12 +104,11 @@ def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | N
         snap.why_not = "untyped (give it a type with spmd.assert_type, or type the module's output)"
         return snap
     snap.types = dict(types)  # an axis of one rank may carry no type: its one piece is the whole
-    spec = get_partition_spec(t)
+    spec = getattr(t, "_spmd_spec", None)  # per dim, the names of the axes that shard it
     if spec is not None:
-        for d, entry in enumerate(tuple(spec)):
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                if axis is not None:
-                    snap.dims[axis] = d
+        for d, entry in enumerate(spec):
+            for axis in entry:
+                snap.dims[axis] = d
     return snap
 
 
