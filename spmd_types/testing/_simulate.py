@@ -206,9 +206,17 @@ def ranks_read_per_rank() -> Iterator[None]:
             return _per_rank_int({r: r for r in lm.ranks})
         return index_in(group)
 
+    torch_get_rank = None if own_get_rank else vars(local._LocalDist)["get_rank"]
+
+    def one_int(group: Any = None) -> Any:  # torch 2.14's answer, a plain int where every rank has the same one
+        found = torch_get_rank.__func__(group)  # type: ignore[union-attr]
+        return found.node.val if isinstance(getattr(found, "node", None), local.ConstantIntNode) else found
+
     dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
     if own_get_rank:
         dist.get_rank = get_rank
+    else:  # a one-rank simulation (the reference) gets an int torch can seed with, as from a real group
+        local._LocalDist.get_rank = staticmethod(one_int)
     builtin_min, builtin_max = builtins.min, builtins.max
     builtins.min, builtins.max = _per_rank_extreme(builtin_min), _per_rank_extreme(builtin_max)
     try:
@@ -218,6 +226,8 @@ def ranks_read_per_rank() -> Iterator[None]:
         dist.ProcessGroup.rank = saved_rank  # type: ignore[method-assign]
         if own_get_rank:
             dist.get_rank = original_get_rank
+        else:
+            local._LocalDist.get_rank = torch_get_rank
 
 
 def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
