@@ -168,66 +168,96 @@ def ranks_read_per_rank() -> Iterator[None]:
 
     The answer is a per-rank ``SymInt``: arithmetic, slicing, ``min`` and ``max`` run per rank (inside,
     the builtins ``min`` and ``max`` fall back to picking rank by rank where the ranks' ints compare
-    differently), as do comparisons that come out the same on every rank; a Python branch that differs per rank
-    (``if dist.get_rank(group) == 0``) cannot be simulated. Asked without a group, or through the
-    default group's own ``rank()``, the answer stays this process's rank (on torch 2.13): code that
-    makes process groups by membership asks so (``torch.distributed`` itself, Megatron's
-    ``initialize_model_parallel``); ``dist.get_rank(group)`` names the group as an axis (a 1-D mesh's
-    group is the default group) and is answered per rank. torch 2.14's simulator patches ``dist.get_rank`` itself (the
-    default group answered per rank there), and this leaves it alone.
+    differently), as do comparisons that come out the same on every rank; a Python branch that
+    differs per rank (``if dist.get_rank(group) == 0``) cannot be simulated. Asked without a group,
+    or through the default group's own ``rank()``, the answer stays this process's rank on torch
+    2.13: code that makes process groups by membership asks so (``torch.distributed`` itself,
+    Megatron's ``initialize_model_parallel``); ``dist.get_rank(group)`` names the group as an axis
+    (a 1-D mesh's group is the default group) and is answered per rank. torch 2.14's simulator
+    answers ``dist.get_rank`` itself (the default group per rank too); here its answer only becomes
+    a plain int where every rank has the same one.
     """
+    cache: dict[tuple[int, frozenset], Any] = {}
+    with _group_rank(cache), _dist_get_rank(cache), _builtin_extremes():
+        yield
+
+
+def _index_in(group: Any, cache: dict[tuple[int, frozenset], Any]) -> Any:
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    ranks = frozenset(enabled_local_tensor_mode().ranks)
+    key = (id(group), ranks)
+    if key not in cache:
+        cache[key] = (group, _group_index(group, ranks))  # the group kept alive: ids stay unique
+    return cache[key][1]
+
+
+@contextlib.contextmanager
+def _group_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
+    """``ProcessGroup.rank`` of a sub-group: each simulated rank's index in it."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    saved = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
+    original = dist.ProcessGroup.rank
+
+    def rank(self: Any) -> Any:
+        if enabled_local_tensor_mode() is None or self is dist.group.WORLD or self.size() == 1:
+            return original(self)
+        return _index_in(self, cache)
+
+    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.rank = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _dist_get_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
+    """``dist.get_rank(group)`` per simulated rank (torch 2.13), or torch 2.14's answer as an int where it is one."""
     import torch.distributed as dist
     import torch.distributed._local_tensor as local
 
-    saved_rank = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
-    original_rank = dist.ProcessGroup.rank
-    cache: dict[tuple[int, frozenset], Any] = {}
+    if hasattr(local, "_LocalDist"):  # torch 2.14: LocalTensorMode patches dist.get_rank with this class's
+        torchs = vars(local._LocalDist)["get_rank"]
 
-    def index_in(group: Any) -> Any:
-        lm = local.enabled_local_tensor_mode()
-        key = (id(group), frozenset(lm.ranks))
-        if key not in cache:
-            cache[key] = (group, _group_index(group, frozenset(lm.ranks)))  # the group kept alive: ids stay unique
-        return cache[key][1]
+        def one_int(group: Any = None) -> Any:  # a one-rank simulation (the reference) gets an int to seed with
+            found = torchs.__func__(group)
+            return found.node.val if isinstance(getattr(found, "node", None), local.ConstantIntNode) else found
 
-    def rank(self: Any) -> Any:
-        if local.enabled_local_tensor_mode() is None or self is dist.group.WORLD or self.size() == 1:
-            return original_rank(self)
-        return index_in(self)
-
-    own_get_rank = not hasattr(local, "_LocalDist")  # torch 2.14's LocalTensorMode answers dist.get_rank itself
-    original_get_rank = dist.get_rank
+        local._LocalDist.get_rank = staticmethod(one_int)
+        try:
+            yield
+        finally:
+            local._LocalDist.get_rank = torchs
+        return
+    original = dist.get_rank
 
     def get_rank(group: Any = None) -> Any:
         lm = local.enabled_local_tensor_mode()
         if lm is None or not dist.is_initialized() or group is None or group.size() == 1:
-            return original_get_rank(group)
+            return original(group)
         if group is dist.group.WORLD:  # named as an axis (a 1-D mesh's group is the default one)
             return _per_rank_int({r: r for r in lm.ranks})
-        return index_in(group)
+        return _index_in(group, cache)
 
-    torch_get_rank = None if own_get_rank else vars(local._LocalDist)["get_rank"]
-
-    def one_int(group: Any = None) -> Any:  # torch 2.14's answer, a plain int where every rank has the same one
-        found = torch_get_rank.__func__(group)  # type: ignore[union-attr]
-        return found.node.val if isinstance(getattr(found, "node", None), local.ConstantIntNode) else found
-
-    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
-    if own_get_rank:
-        dist.get_rank = get_rank
-    else:  # a one-rank simulation (the reference) gets an int torch can seed with, as from a real group
-        local._LocalDist.get_rank = staticmethod(one_int)
-    builtin_min, builtin_max = builtins.min, builtins.max
-    builtins.min, builtins.max = _per_rank_extreme(builtin_min), _per_rank_extreme(builtin_max)
+    dist.get_rank = get_rank
     try:
         yield
     finally:
-        builtins.min, builtins.max = builtin_min, builtin_max
-        dist.ProcessGroup.rank = saved_rank  # type: ignore[method-assign]
-        if own_get_rank:
-            dist.get_rank = original_get_rank
-        else:
-            local._LocalDist.get_rank = torch_get_rank
+        dist.get_rank = original
+
+
+@contextlib.contextmanager
+def _builtin_extremes() -> Iterator[None]:
+    """The builtins ``min`` and ``max`` pick rank by rank where per-rank ints compare differently."""
+    saved = builtins.min, builtins.max
+    builtins.min, builtins.max = _per_rank_extreme(saved[0]), _per_rank_extreme(saved[1])
+    try:
+        yield
+    finally:
+        builtins.min, builtins.max = saved
 
 
 def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
