@@ -170,12 +170,12 @@ def ranks_read_per_rank() -> Iterator[None]:
     the builtins ``min`` and ``max`` fall back to picking rank by rank where the ranks' ints compare
     differently), as do comparisons that come out the same on every rank; a Python branch that
     differs per rank (``if dist.get_rank(group) == 0``) cannot be simulated. Asked without a group,
-    or through the default group's own ``rank()``, the answer stays this process's rank on torch
-    2.13: code that makes process groups by membership asks so (``torch.distributed`` itself,
+    or through the default group's own ``rank()``, the answer stays this process's rank: code that
+    makes process groups by membership asks so (``torch.distributed`` itself,
     Megatron's ``initialize_model_parallel``); ``dist.get_rank(group)`` names the group as an axis
     (a 1-D mesh's group is the default group) and is answered per rank. torch 2.14's simulator
-    answers ``dist.get_rank`` itself (the default group per rank too); here its answer only becomes
-    a plain int where every rank has the same one.
+    answers ``dist.get_rank`` itself, the default group per rank too; here, asked with no group, it
+    answers this process's rank as on 2.13, and a plain int where every rank has the same one.
     """
     cache: dict[tuple[int, frozenset], Any] = {}
     with _group_rank(cache), _dist_get_rank(cache), _builtin_extremes():
@@ -220,17 +220,22 @@ def _dist_get_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
     import torch.distributed._local_tensor as local
 
     if hasattr(local, "_LocalDist"):  # torch 2.14: LocalTensorMode patches dist.get_rank with this class's
+        from torch.distributed.distributed_c10d import get_rank as process_rank
+
         torchs = vars(local._LocalDist)["get_rank"]
 
-        def one_int(group: Any = None) -> Any:  # a one-rank simulation (the reference) gets an int to seed with
-            found = torchs.__func__(group)
+        def one_int(group: Any = None) -> Any:
+            if group is None:  # as on 2.13: code that makes groups by membership asks so (Megatron)
+                return process_rank()
+            found = torchs.__func__(group)  # a one-rank simulation (the reference) gets an int to seed with
             return found.node.val if isinstance(getattr(found, "node", None), local.ConstantIntNode) else found
 
-        local._LocalDist.get_rank = staticmethod(one_int)
+        current = dist.get_rank  # torch's, put there when LocalTensorMode was entered (and on every re-entry)
+        local._LocalDist.get_rank, dist.get_rank = staticmethod(one_int), one_int
         try:
             yield
         finally:
-            local._LocalDist.get_rank = torchs
+            local._LocalDist.get_rank, dist.get_rank = torchs, current
         return
     original = dist.get_rank
 
