@@ -222,14 +222,18 @@ def all_to_all(x: torch.Tensor, comm: AxisComm, split_dim: int, concat_dim: int)
 
 
 def take_slice(x: torch.Tensor, comm: AxisComm, dim: int | None, sizes: Sequence[int] | None) -> torch.Tensor:
-    """This rank's part of a replicated value: ``x[rank]``, or its shard of ``dim``."""
+    """This rank's part of a replicated value: ``x[rank]``, or its shard of ``dim``, contiguous.
+
+    Contiguous as the published API's chunk is (a copy where the part is not already contiguous):
+    code that views the shard (torchtitan's MoE layer, ``x_BLD.view(T, D)`` on an S(1) input) works.
+    """
     index = group_rank(comm)
     if dim is None:
-        return x.select(0, index)
+        return x.select(0, index).contiguous()
     if sizes is not None:
-        return _per_rank(_take_uneven)(x, index, dim, tuple(sizes))
+        return _per_rank(_take_uneven)(x, index, dim, tuple(sizes)).contiguous()
     k = x.shape[dim] // comm.size
-    return x.narrow(dim, index * k, k)
+    return x.narrow(dim, index * k, k).contiguous()
 
 
 def _take_uneven(x: torch.Tensor, index: int, dim: int, sizes: tuple[int, ...]) -> torch.Tensor:
