@@ -23,7 +23,7 @@ from ._eq_record import Snapshot, _dtensor_types, types_on
 from ._simulate import _coords, _outside_simulation, per_rank
 
 __all__ = ["MeshInfo", "Assembled", "Sources", "load_parameters", "local_batch", "assemble", "assemble_per_rank",
-           "tolerance", "match", "match_key", "RTOL64", "ATOL64", "SAFETY"]
+           "tolerance", "update_tolerances", "match", "match_key", "RTOL64", "ATOL64", "SAFETY"]
 
 # float64: a fixed tolerance relative to the reference's largest entry. Reordered float64 sums differ by
 # about 1e-16 of the scale per thousand terms, so 1e-9 stays six orders above round-off and far below a bug.
@@ -384,6 +384,31 @@ def assemble_per_rank(snap: Snapshot, mesh: MeshInfo, expected: Callable[[int], 
 
 # ---------------------------------------------------------------------------
 # tolerance
+
+
+def update_tolerances(ref: torch.Tensor, twin: torch.Tensor | None, dtype: torch.dtype, precision: torch.dtype | None,
+                      before: torch.Tensor, twin_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Each element's tolerance for an update (``ref``: the reference's; ``before``: the parameter before the step).
+
+    ``SAFETY * max(|ref - twin|, eps * max|ref|, eps(dtype) * |before|)`` element by element: the
+    update's own round-off where the twin measured it (an optimizer that divides by a gradient's
+    size amplifies it where a gradient is near zero, and only there), never below the resolution of
+    the parameter it was added to. A twin coarser than the run (float32 beside a float64 run whose
+    loss is in float32) also rounds its parameters, which the run does not: one ulp of its parameter
+    is taken off its gap.
+    """
+    coarse = precision if precision is not None and torch.finfo(precision).eps > torch.finfo(dtype).eps else dtype
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    floor = torch.full_like(ref, torch.finfo(coarse).eps * scale)
+    if twin is not None and twin.shape == ref.shape and coarse != torch.float64:
+        gap = (ref - twin).abs()
+        if torch.finfo(twin_dtype).eps > torch.finfo(dtype).eps:
+            gap = (gap - torch.finfo(twin_dtype).eps * before.abs()).clamp_min(0.0)
+        floor = torch.maximum(floor, gap)
+    floor = torch.maximum(floor, torch.finfo(dtype).eps * before.abs())
+    if coarse == torch.float64:
+        return RTOL64 * scale + ATOL64 + SAFETY * floor
+    return SAFETY * floor + torch.finfo(coarse).tiny
 
 
 def tolerance(ref: torch.Tensor, ref64: torch.Tensor | None, dtype: torch.dtype,

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from .._core.types import I, P
-from ._eq_align import SAFETY, MeshInfo, Sources, assemble, assemble_per_rank, match, match_key, tolerance
+from ._eq_align import SAFETY, MeshInfo, Sources, assemble, assemble_per_rank, match, match_key, tolerance, update_tolerances
 from ._eq_determinism import check_draw
 from ._eq_record import Snapshot, format_source
 from ._eq_report import Comparison, Divergence, EquivalenceReport, NotCompared
@@ -36,6 +36,7 @@ class Run:
     changed: bool = False  # some parameter changed during the step (an optimizer step ran)
     mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
     calls: dict[str, int] = field(default_factory=dict)  # how many times each module's forward ran
+    dtype: torch.dtype = torch.float64  # the dtype it ran in
 
     def snapshots(self) -> list[Snapshot]:
         """Everything recorded, in execution order."""
@@ -94,7 +95,9 @@ def compare(ref: Run, ref64: Run | None, par: Run, ask: Asked, dtype: torch.dtyp
             row = _per_rank_row(snap, param_types.get(snap.key), ref_by, ref64_by, info, ask.sources, dtype)
         else:
             counts = (ref.calls.get(snap.module, 0), par.calls.get(snap.module, 0)) if snap.module else None
-            row = _compare_one(snap, mine, ref64_by.get(key), info, ask, dtype, counts)
+            before = ref.before.get(snap.key, {}).get(0) if snap.kind == "update" else None
+            twin_dtype = ref64.dtype if ref64 is not None else torch.float64
+            row = _compare_one(snap, mine, ref64_by.get(key), info, ask, dtype, counts, before, twin_dtype)
         (skipped if isinstance(row, NotCompared) else compared).append(row)
     seen = {(s.kind, s.key) for s in items} | _renamed_sources(par, ask.sources, info)
     for (kind, key), snap in ref_by.items():
@@ -148,19 +151,37 @@ def _shape_reason(got: list[int], want: list[int], counts: tuple[int, int] | Non
 
 
 def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, ask: Asked,
-                 dtype: torch.dtype, counts: tuple[int, int] | None = None) -> Comparison | NotCompared:
-    """A value reassembled from its per-rank pieces by its type, against the reference's value of its name."""
+                 dtype: torch.dtype, counts: tuple[int, int] | None = None, before: torch.Tensor | None = None,
+                 twin_dtype: torch.dtype = torch.float64) -> Comparison | NotCompared:
+    """A value reassembled from its per-rank pieces by its type, against the reference's value of its name.
+
+    An update (``before``: its parameter at the start, on one device) is held to a tolerance per
+    element (:func:`~._eq_align.update_tolerances`); its row shows the element closest to it.
+    """
     want = mine.values[0]
     want64 = mine64.values[0] if mine64 is not None and mine64.values else None
-    tol = tolerance(want, want64, dtype, snap.precision)
+    tols = update_tolerances(want, want64, dtype, snap.precision, before, twin_dtype) if before is not None else None
+    tol = tolerance(want, want64, dtype, snap.precision) if tols is None else float(tols.max())
     given = match(ask.output_dims, snap.module) if snap.module is not None else None
     got = assemble(snap, info, tuple(want.shape), given, tol)
     reason, ranks, err, why_inf = got.reason, got.ranks, math.inf, None  # a shape unlike the reference's: inf
     if got.value is not None and got.shape_error is None:
         err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
+        if tols is not None and want.numel():
+            diff = (got.value - want).abs().flatten()
+            worst = int((diff / tols.flatten()).argmax())
+            err, tol = max(got.spread, float(diff[worst])), float(tols.flatten()[worst])
+            reason = _coarse_update(want, tols, snap.precision or dtype)
     elif got.value is not None:
         why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
-    return _row(snap, err, tol, want, ranks, reason, why_inf, dtype)
+    return _row(snap, err, tol, want, ranks, reason, why_inf, dtype, checked=tols is not None)
+
+
+def _coarse_update(update: torch.Tensor, tols: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Why an update cannot be compared: for most of its elements the tolerance is half the update or more."""
+    if not float((tols / update.abs().clamp_min(torch.finfo(torch.float64).tiny)).median()) >= 0.5:
+        return None
+    return _below_resolution(update, float(tols.median()), dtype, "most entries")
 
 
 def _per_rank_row(snap: Snapshot, types: Mapping[str, Any] | None, ref_by: Mapping[tuple[str, str], Snapshot],
@@ -187,8 +208,8 @@ def _per_rank_row(snap: Snapshot, types: Mapping[str, Any] | None, ref_by: Mappi
 
 
 def _row(snap: Snapshot, err: float, tol: float, want: torch.Tensor, ranks: tuple[int, ...], reason: str | None,
-         why_inf: str | None, dtype: torch.dtype) -> Comparison | NotCompared:
-    if reason is None and snap.kind == "update":
+         why_inf: str | None, dtype: torch.dtype, checked: bool = False) -> Comparison | NotCompared:
+    if reason is None and snap.kind == "update" and not checked:
         reason = _below_resolution(want, tol, snap.precision or dtype)
     if reason is not None:
         return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
@@ -207,13 +228,18 @@ def _renamed_sources(par: Run, sources: Sources, info: MeshInfo) -> set[tuple[st
     return out
 
 
-def _below_resolution(update: torch.Tensor, tol: float, dtype: torch.dtype) -> str | None:
-    """Why an update cannot be compared: its round-off, as its tolerance measures it, is half its size or more."""
+def _below_resolution(update: torch.Tensor, tol: float, dtype: torch.dtype, where: str = "") -> str | None:
+    """Why an update cannot be compared: its round-off, as its tolerance measures it, is half its size or more.
+
+    ``where`` names the entries measured (a tolerance per element: "most entries"); without it the
+    tolerance is the whole update's, which one amplified entry can set (Adam near a zero gradient).
+    """
     scale = float(update.abs().max()) if update.numel() else 0.0
-    if not tol >= 0.5 * scale:
+    if not where and not tol >= 0.5 * scale:
         return None
     name = str(dtype).removeprefix("torch.")
-    return (f"its round-off in {name} ({tol / SAFETY:.1e}, against float64) is as large as its update (largest entry "
-            f"{scale:.1e}): parameters too coarse to hold the update, or an optimizer that divides by a gradient's "
-            "size (Adam where gradients are near zero), leave nothing to compare; check optimizer steps in float64 "
+    why = ("the parameters are too coarse to hold it" if where else "parameters too coarse to hold the update, or an "
+           "optimizer that divides by a gradient's size (Adam where gradients are near zero), leave nothing to compare")
+    return (f"its round-off in {name}{f' at {where}' if where else ''} ({tol / SAFETY:.1e}, against float64) is as "
+            f"large as its update (largest entry {scale:.1e}): {why}; check optimizer steps in float64 "
             "(dtype=torch.float64)")

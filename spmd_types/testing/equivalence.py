@@ -105,7 +105,11 @@ def check_equivalence(
 
 def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, Mapping[str, int]] | None,
            state_dict: Mapping[str, torch.Tensor] | None, dtype: torch.dtype) -> EquivalenceReport:
-    """The parallel run first (its type errors come first), then the reference twice, and its float64 twin."""
+    """The parallel run first (its type errors come first), then the reference twice, and its twin.
+
+    The twin measures round-off: below float64 it runs in float64; a float64 step that computes in
+    a coarser dtype somewhere (a loss in float32) gets a twin in that dtype.
+    """
     one = tuple(1 for _ in spec.names)
     start = _initial(spec, one, dtype, state_dict)
     par = _run(spec, mesh_shape, dtype, start, True)  # its SpmdTypeError propagates as raised
@@ -116,13 +120,21 @@ def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, M
     if held:
         raise held[0]
     check_repeats(ref.snapshots(), again.snapshots(), dtype)
-    ref64, strayed = None, {}
-    if dtype != torch.float64:
-        ref64 = _attempt(spec, one, torch.float64, {k: v.to(torch.float64) for k, v in start.items()}, tape, held)
+    twin, strayed = None, {}
+    other = torch.float64 if dtype != torch.float64 else _coarsest(par)
+    if other != dtype:  # below float64, or a float64 step computing in float32 somewhere: its round-off measured
+        twin = _attempt(spec, one, other, {k: v.to(other) for k, v in start.items()}, tape, held)
         if held:
             raise held[0]
-        strayed = gross_gaps(ref.snapshots(), ref64.snapshots(), dtype)
-    return compare(ref, ref64, par, Asked(spec.batch, spec.sources, output_dims), dtype, strayed)
+        if dtype != torch.float64:
+            strayed = gross_gaps(ref.snapshots(), twin.snapshots(), dtype)
+    return compare(ref, twin, par, Asked(spec.batch, spec.sources, output_dims), dtype, strayed)
+
+
+def _coarsest(run: Run) -> torch.dtype:
+    """The coarsest float dtype the step computed in (float32 for a float64 model whose loss is in float32)."""
+    found = [s.precision for s in run.snapshots() if s.precision is not None]
+    return max(found, key=lambda d: torch.finfo(d).eps, default=torch.float64)
 
 
 def _initial(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype,
@@ -216,6 +228,7 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         stack.enter_context(_default_dtype(dtype))
         mesh = stack.enter_context(simulate(shape, spec.names, ranks="local", device="cpu"))
         info = run.mesh = MeshInfo.of(mesh)
+        run.dtype = dtype
         torch.manual_seed(spec.seed)
         with spmd.typecheck():
             model = _built(spec, mesh)
