@@ -2,9 +2,10 @@
 
 A parameter after one step is its start plus an update a thousand times smaller; compared as it is, the
 update drowns in the parameter's own round-off. check_equivalence compares the update (the parameter
-after the step minus before it) with the reference's update, and the tolerance follows the update's
-round-off. The planted bug: the learning rate divided by tp on the tp-sharded parameters (a per-group
-learning rate written for the whole model, applied to shards). The loss is computed in float32, as
+after the step minus before it) with the reference's update, entry by entry with the tolerance from the
+update's round-off, and by its scale (the median ratio of the entries the parameter resolves). The
+planted bug: the learning rate divided by tp on the tp-sharded parameters (a per-group learning rate
+written for the whole model, applied to shards). The loss is computed in float32, as
 torchtitan's is, so a float64 check still carries float32 round-off.
 """
 
@@ -105,6 +106,6 @@ def test_an_update_below_the_parameters_resolution_is_listed_not_compared():
     assert report.ok
     assert [n.name for n in report.not_compared if n.kind == "update"] == PARAMS[:3]
     assert report.not_compared[-1].reason == (
-        "its round-off in float32 at most entries (1.1e-08, against float64) is as large as its update (largest "
-        "entry 5.2e-08): the parameters are too coarse to hold it; check optimizer steps in float64 "
-        "(dtype=torch.float64)")
+        "its round-off in float32 (2.1e-08, against float64) is as large as its update (largest entry 5.2e-08), and "
+        "too few of its entries stand out of their own round-off to compare its scale: parameters too coarse to hold "
+        "the update leave nothing to compare; check optimizer steps in float64 (dtype=torch.float64)")

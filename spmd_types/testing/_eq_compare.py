@@ -155,33 +155,54 @@ def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: 
                  twin_dtype: torch.dtype = torch.float64) -> Comparison | NotCompared:
     """A value reassembled from its per-rank pieces by its type, against the reference's value of its name.
 
-    An update (``before``: its parameter at the start, on one device) is held to a tolerance per
-    element (:func:`~._eq_align.update_tolerances`); its row shows the element closest to it.
+    An update (``before``: its parameter at the start, on one device) is also compared by its scale
+    (:func:`_update_scale`), and held to whichever of the two comparisons it fails most.
     """
     want = mine.values[0]
     want64 = mine64.values[0] if mine64 is not None and mine64.values else None
-    tols = update_tolerances(want, want64, dtype, snap.precision, before, twin_dtype) if before is not None else None
-    tol = tolerance(want, want64, dtype, snap.precision) if tols is None else float(tols.max())
+    tols = None
+    if before is not None and want.numel():
+        tols = update_tolerances(want, want64, dtype, snap.precision, before, twin_dtype)
+        tol = float(tols.max())
+    else:
+        tol = tolerance(want, want64, dtype, snap.precision)
     given = match(ask.output_dims, snap.module) if snap.module is not None else None
     got = assemble(snap, info, tuple(want.shape), given, tol)
     reason, ranks, err, why_inf = got.reason, got.ranks, math.inf, None  # a shape unlike the reference's: inf
     if got.value is not None and got.shape_error is None:
         err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
-        if tols is not None and want.numel():
-            diff = (got.value - want).abs().flatten()
-            worst = int((diff / tols.flatten()).argmax())
-            err, tol = max(got.spread, float(diff[worst])), float(tols.flatten()[worst])
-            reason = _coarse_update(want, tols, snap.precision or dtype)
+        if tols is not None:
+            finer = torch.finfo(twin_dtype).eps < torch.finfo(dtype).eps  # a float64 twin: its scale error counts
+            scale = _update_scale(got.value, want, want64 if finer else None, tols)
+            if scale is None and tol >= 0.5 * float(want.abs().max()):
+                reason = _below_resolution(want, tol, snap.precision or dtype)
+            elif scale is not None and scale[0] / scale[1] > err / tol:
+                err, tol, why_inf = scale[0], scale[1], scale[2]
     elif got.value is not None:
         why_inf = _shape_reason(list(got.value.shape), list(want.shape), counts)
-    return _row(snap, err, tol, want, ranks, reason, why_inf, dtype, checked=tols is not None)
+    return _row(snap, err, tol, want, ranks, reason, why_inf, dtype, checked=before is not None)
 
 
-def _coarse_update(update: torch.Tensor, tols: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """Why an update cannot be compared: for most of its elements the tolerance is half the update or more."""
-    if not float((tols / update.abs().clamp_min(torch.finfo(torch.float64).tiny)).median()) >= 0.5:
+def _update_scale(got: torch.Tensor, want: torch.Tensor, twin: torch.Tensor | None,
+                  tols: torch.Tensor) -> tuple[float, float, str] | None:
+    """(|scale - 1|, its tolerance, what it is) of an update against the reference's, or None if unresolved.
+
+    The scale is the median ratio of the update's entries to the reference's, over the entries the
+    parameter resolves (each larger than twice its own tolerance): a step size off by any factor
+    (a learning rate divided by tp) moves it, while a few entries that round-off flips (Adam where a
+    gradient is near zero) cannot. Its tolerance: ``SAFETY`` times the larger of the twin's own scale
+    error and the median relative round-off of those entries.
+    """
+    resolved = (want.abs() > 2 * tols) & (want != 0)
+    if int(resolved.sum()) < max(1, want.ne(0).sum().item() // 2):
         return None
-    return _below_resolution(update, float(tols.median()), dtype, "most entries")
+    ref = want[resolved]
+    scale = float((got[resolved] / ref).median())
+    typical = float((tols[resolved] / SAFETY / ref.abs()).median())
+    if twin is not None and twin.shape == want.shape:
+        typical = max(typical, abs(float((twin[resolved] / ref).median()) - 1))
+    return (abs(scale - 1), SAFETY * typical,
+            f"the update is {scale:.4g} times the reference's (the median ratio of their entries)")
 
 
 def _per_rank_row(snap: Snapshot, types: Mapping[str, Any] | None, ref_by: Mapping[tuple[str, str], Snapshot],
@@ -209,7 +230,7 @@ def _per_rank_row(snap: Snapshot, types: Mapping[str, Any] | None, ref_by: Mappi
 
 def _row(snap: Snapshot, err: float, tol: float, want: torch.Tensor, ranks: tuple[int, ...], reason: str | None,
          why_inf: str | None, dtype: torch.dtype, checked: bool = False) -> Comparison | NotCompared:
-    if reason is None and snap.kind == "update" and not checked:
+    if reason is None and snap.kind == "update" and not checked and tol >= 0.5 * float(want.abs().max()):
         reason = _below_resolution(want, tol, snap.precision or dtype)
     if reason is not None:
         return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
@@ -228,18 +249,11 @@ def _renamed_sources(par: Run, sources: Sources, info: MeshInfo) -> set[tuple[st
     return out
 
 
-def _below_resolution(update: torch.Tensor, tol: float, dtype: torch.dtype, where: str = "") -> str | None:
-    """Why an update cannot be compared: its round-off, as its tolerance measures it, is half its size or more.
-
-    ``where`` names the entries measured (a tolerance per element: "most entries"); without it the
-    tolerance is the whole update's, which one amplified entry can set (Adam near a zero gradient).
-    """
+def _below_resolution(update: torch.Tensor, tol: float, dtype: torch.dtype) -> str:
+    """Why an update cannot be compared: its round-off is half its size or more, and too few entries to scale."""
     scale = float(update.abs().max()) if update.numel() else 0.0
-    if not where and not tol >= 0.5 * scale:
-        return None
     name = str(dtype).removeprefix("torch.")
-    why = ("the parameters are too coarse to hold it" if where else "parameters too coarse to hold the update, or an "
-           "optimizer that divides by a gradient's size (Adam where gradients are near zero), leave nothing to compare")
-    return (f"its round-off in {name}{f' at {where}' if where else ''} ({tol / SAFETY:.1e}, against float64) is as "
-            f"large as its update (largest entry {scale:.1e}): {why}; check optimizer steps in float64 "
+    return (f"its round-off in {name} ({tol / SAFETY:.1e}, against float64) is as large as its update (largest entry "
+            f"{scale:.1e}), and too few of its entries stand out of their own round-off to compare its scale: "
+            "parameters too coarse to hold the update leave nothing to compare; check optimizer steps in float64 "
             "(dtype=torch.float64)")
