@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _megatron_support import SEQ, VOCAB, build_gpt, init_parallel
+from _rng_streams import Streams
 
 import spmd_types as spmd
 from spmd_types import megatron as spmd_megatron
@@ -47,13 +48,14 @@ def batch(seed: int = 0) -> dict[str, Any]:
     return {"tokens": (tokens, split), "positions": (positions, split), "labels": (labels, split), "mask": mask}
 
 
-def build(mesh, sp: bool = False, dropout: float = 0.0, per_tp_rank_dropout: bool = False):
+def build(mesh, sp: bool = False, dropout: float = 0.0, per_tp_rank_dropout: bool = False,
+          attention_dropout: float = 0.0):
     """GPTModel at tp = the mesh's tp size (sequence parallel only where tp > 1), typed from its attributes."""
     tp = mesh.size(mesh.mesh_dim_names.index("tp"))
     init_parallel(tp)
     spmd_megatron.register()
     model = build_gpt(tp, sp and tp > 1, params_dtype=torch.get_default_dtype(), use_cpu_initialization=False,
-                      hidden_dropout=dropout)
+                      hidden_dropout=dropout, attention_dropout=attention_dropout)
     if dropout:
         model.embedding.embedding_dropout.p = 0.0  # only the residual dropouts of the layers draw masks
     if per_tp_rank_dropout:
@@ -73,6 +75,21 @@ def _model_parallel_rng():
     torch.manual_seed(1234 + 2718 + ps.get_tensor_model_parallel_group().rank())  # model_parallel_cuda_manual_seed
     with torch.enable_grad():
         yield
+
+
+def cpu_rng_tracker(same_seed_on_every_tp_rank: bool = False):
+    """``CudaRNGStatesTracker.fork`` on the CPU: the model-parallel stream seeded per tp rank, as Megatron's
+    ``model_parallel_cuda_manual_seed`` seeds it (1234 + 2718 + tp rank), kept between forks."""
+    from megatron.core import parallel_state as ps
+
+    streams = Streams()
+
+    def fork(self, name: str = "model-parallel-rng"):
+        tp_rank = ps.get_tensor_model_parallel_group().rank()
+        # BUG (same_seed_on_every_tp_rank): the model-parallel stream seeded alike on every tp rank
+        return streams.fork(name, 1234 + 2718 + (0 if same_seed_on_every_tp_rank else tp_rank))
+
+    return fork
 
 
 def step(model, batch: dict, mesh) -> torch.Tensor:
@@ -153,3 +170,77 @@ def embedding_without_output_mask(self, input_):
     output_parallel = F.embedding(masked_input, self.weight)
     # BUG: output_parallel[input_mask, :] = 0.0 left out: every rank adds the row of its local token 0
     return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
+
+
+# ---------------------------------------------------------------------------
+# Megatron-core's MoE GPTModel (SequentialMLP experts), experts over ep
+
+
+def build_moe(mesh, ep: int = 2):
+    """The MoE GPTModel at tp from the mesh and ep=2 (etp = tp when dp > 1: ep over dp's ranks; etp = 1
+    when dp is 1: ep over tp's ranks), typed from its attributes; the allgather dispatcher.
+
+    Megatron's aux loss balances each dp rank's own tokens, which one device (all tokens) cannot reproduce:
+    it is off here (``moe_router_load_balancing_type="none"``), as is its router's input jitter.
+    """
+    from _megatron_moe_support import build_moe as build
+    from _megatron_moe_support import forget_aux_losses, init_moe
+
+    tp = mesh.size(mesh.mesh_dim_names.index("tp"))
+    dp = mesh.size(mesh.mesh_dim_names.index("dp"))
+    ep = ep if tp > 1 else 1
+    etp = tp if dp > 1 else 1
+    forget_aux_losses()
+    init_moe(tp, ep, etp)
+    spmd_megatron.register()
+    model = build(tp, ep, etp, "allgather", moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                  params_dtype=torch.get_default_dtype(), use_cpu_initialization=False)
+    with spmd.set_current_mesh(spmd_megatron.mesh()):
+        spmd_megatron.type_parameters(model)
+    return model
+
+
+def step_moe(model, batch: dict, mesh) -> torch.Tensor:
+    """The dense step's gradient sync for the dense parameters; experts' gradients (each ep rank's experts got
+    every dp rank's tokens through the exchange: a sum over dp ranks' losses) divided by dp, as Megatron's DDP does."""
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_world_size()
+    with spmd.set_current_mesh(spmd_megatron.mesh()):
+        per_token = model(batch["tokens"], batch["positions"], batch["mask"], labels=batch["labels"])
+        loss = per_token.mean()
+        loss.backward()
+        for name, p in model.named_parameters():
+            if ".local_experts." in name:
+                p.grad = p.grad / dp
+                continue
+            grad = p.grad
+            if spmd.get_type(grad).get("tp") is P:
+                grad = spmd.all_reduce(grad, "tp", src=P, dst=R)
+            p.grad = spmd.all_reduce(grad, "dp", src=P, dst=R, op="avg")
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        return spmd.all_reduce(loss.detach(), "dp", src=V, dst=I, op="avg")
+
+
+def local_experts(over: str, ep: int = 2, experts: int = 4):
+    """reference_names for SequentialMLP: ``local_experts.k`` on ep rank r is ``local_experts.{r*n+k}``
+    (``over``: the mesh axis whose ranks ep runs over, see :func:`build_moe`)."""
+    import re
+
+    n = experts // ep
+
+    def name(local: str, coords: dict[str, int]) -> str:
+        r = coords[over]
+        return re.sub(r"local_experts\.(\d+)", lambda m: f"local_experts.{r * n + int(m.group(1))}", local)
+
+    return {"*.local_experts.*": name}
+
+
+def router_max_over_tokens(original):
+    """TopKRouter.gating with one line added: the logits stabilized by their max over the tokens (dim 0) instead
+    of over the experts (dim -1). On one device the max is over every token; on the ranks over each rank's."""
+    def gating(self, input):
+        logits = original(self, input)
+        return logits - logits.amax(dim=0, keepdim=True)  # BUG: dim=0 (tokens), not -1 (experts)
+
+    return gating

@@ -202,3 +202,16 @@ def test_a_local_slice_owns_contiguous_storage(mesh4, typed, dst):
     assert out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
     expected = w[0] if dst is V else w.chunk(N, dst.dim)[0]  # rank 0's part (the fake group is rank 0)
     assert torch.equal(out.as_subclass(torch.Tensor), expected)
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "erased"])
+def test_convert_to_a_shard_of_an_inner_dim_is_contiguous(mesh4, typed):
+    # torchtitan's MoE layer takes its input as S(1) on tp and calls .view(T, D) on it, as the published API's
+    # convert (a copy of the chunk) allows; a narrow view of dim 1 could not be viewed so.
+    with LocalTensorMode(N), spmd.set_current_mesh(mesh4):
+        x = per_rank(lambda r: torch.arange(2 * 8 * 3.0).view(2, 8, 3))
+        with spmd.typecheck() if typed else spmd.no_typecheck():
+            x = spmd.assert_type(x, {"tp": R}) if typed else x
+            y = convert(x, "tp", src=R, dst=S(1))
+            assert y.is_contiguous() and tuple(y.view(4, 3).shape) == (4, 3)
+        assert torch.equal(rank_values(y)[1], torch.arange(48.0).view(2, 8, 3)[:, 2:4])

@@ -41,7 +41,7 @@ def test_the_correct_gpt_matches_one_device_in_float64():
     assert report.ok, report
     assert report.not_compared == []
     kinds = [c.kind for c in report.compared]
-    assert (kinds.count("output"), kinds.count("loss"), kinds.count("grad"), kinds.count("param")) == (15, 1, 25, 25)
+    assert (kinds.count("output"), kinds.count("loss"), kinds.count("grad"), kinds.count("update")) == (15, 1, 25, 25)
 
 
 def _margin(report) -> float:

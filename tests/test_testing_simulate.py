@@ -159,3 +159,44 @@ def test_rank_argument_errors(kwargs, message):
         pass
     assert str(err.value) == message
     assert not dist.is_initialized()
+
+
+def test_local_ranks_read_their_own_rank_from_every_group():
+    # torchtitan's embedding and loss slice by dist.get_rank(group), Megatron by group.rank(): under
+    # ranks="local" each simulated rank reads its own index (torch's simulator alone answers 0 on 2.13).
+    from spmd_types.testing import rank_values
+
+    _no_group()
+    with simulate((2, 2), ("dp", "tp"), ranks="local", device="cpu") as mesh:
+        tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+        seen = per_rank(lambda r: torch.zeros(5, dtype=torch.long))
+        seen[0] += dist.get_rank(tp)
+        seen[1] += dist.get_rank(dp)
+        seen[2] += tp.rank()
+        seen[3] += dist.get_world_size(tp)
+        seen[4] += dist.get_world_size()
+        assert {r: v.tolist() for r, v in rank_values(seen).items()} == {
+            0: [0, 0, 0, 2, 4], 1: [1, 0, 1, 2, 4], 2: [0, 1, 0, 2, 4], 3: [1, 1, 1, 2, 4]}
+        assert dist.group.WORLD.rank() == 0  # the default group: this process's rank (groups are made by it)
+        # min and max of per-rank ints run rank by rank (torchtitan's loss: min(vocab, start + chunk))
+        start = 3 * dist.get_rank(tp)
+        bounds = per_rank(lambda r: torch.zeros(4, dtype=torch.long))
+        bounds[0] += min(4, start + 3)
+        bounds[1] += max(0, start - 1)
+        bounds[2] += min([5, start])
+        bounds[3] += max(start, 1)
+        assert [v.tolist() for v in rank_values(bounds).values()] == [[3, 0, 0, 1], [4, 2, 3, 3]] * 2
+    _no_group()
+    with simulate((2,), ("tp",), ranks="local", device="cpu") as mesh:  # a 1-D mesh's group is the default one
+        got = rank_values(torch.zeros(1, dtype=torch.long) + dist.get_rank(mesh.get_group("tp")))
+        assert {r: v.tolist() for r, v in got.items()} == {0: [0], 1: [1]}
+        # slicing with per-rank bounds (Megatron's local experts: routing_map[:, first:last])
+        first = 2 * dist.get_rank(mesh.get_group("tp"))
+        got = rank_values(per_rank(lambda r: torch.arange(8).view(2, 4))[:, first:first + 2])
+        assert {r: v.tolist() for r, v in got.items()} == {0: [[0, 1], [4, 5]], 1: [[2, 3], [6, 7]]}
+    assert not hasattr(torch._C._SymNode, "statically_known_true")  # taken away after the simulation
+    assert dist.get_rank.__module__ == "torch.distributed.distributed_c10d"  # put back on exit
+    assert type(min).__name__ == type(max).__name__ == "builtin_function_or_method"  # the builtins back
+    _no_group()
+    with simulate((2,), ("tp",)) as mesh:  # one rank's program (ranks="fake"): that rank's answers
+        assert dist.get_rank(mesh.get_group("tp")) == 0 and mesh.get_group("tp").rank() == 0

@@ -23,11 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.types import I, P, R, SpmdType, V, backward_type
 from ._simulate import _coords, _outside_simulation, per_rank, rank_values, simulate
-from .equivalence import DivergenceError, EquivalenceReport, check_equivalence
+from .equivalence import DivergenceError, EquivalenceReport, NondeterministicStepError, check_equivalence
 
 __all__ = [
     "CommCounter", "per_rank", "rank_values", "denote", "pair", "same_on_ranks", "random_value", "simulate",
     "verify_registration", "VerifyReport", "check_equivalence", "EquivalenceReport", "DivergenceError",
+    "NondeterministicStepError",
 ]
 
 # ``_c10d_functional`` op name -> the short name the counter reports.

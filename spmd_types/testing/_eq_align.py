@@ -12,18 +12,18 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .._core.dtensor_hook import is_dtensor
-from .._core.types import I, P, R, SpmdType
-from ._eq_record import Snapshot, _dtensor_types
+from .._core.types import I, P, R, SpmdType, V
+from ._eq_record import Snapshot, _dtensor_types, types_on
 from ._simulate import _coords, _outside_simulation, per_rank
 
-__all__ = ["MeshInfo", "Assembled", "load_parameters", "local_batch", "assemble", "assemble_layout", "tolerance", "match",
-           "RTOL64", "ATOL64", "SAFETY"]
+__all__ = ["MeshInfo", "Assembled", "Sources", "load_parameters", "local_batch", "assemble", "assemble_per_rank",
+           "tolerance", "update_tolerances", "match", "match_key", "RTOL64", "ATOL64", "SAFETY"]
 
 # float64: a fixed tolerance relative to the reference's largest entry. Reordered float64 sums differ by
 # about 1e-16 of the scale per thousand terms, so 1e-9 stays six orders above round-off and far below a bug.
@@ -41,23 +41,30 @@ class MeshInfo:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     coords: dict[int, tuple[int, ...]]
+    device_mesh: Any = field(default=None, compare=False)  # the run's DeviceMesh (types are read on it)
 
     @classmethod
     def of(cls, mesh: Any) -> MeshInfo:
         layout = mesh.mesh
         coords = {int(layout[c]): c for c in _coords(layout.shape)}
-        return cls(tuple(mesh.mesh_dim_names), tuple(layout.shape), coords)
+        return cls(tuple(mesh.mesh_dim_names), tuple(layout.shape), coords, mesh)
 
     def coord_dict(self, rank: int) -> dict[str, int]:
         return dict(zip(self.names, self.coords[rank]))
 
 
+def match_key(globs: Mapping[str, Any] | None, name: str) -> str | None:
+    """The first glob in ``globs`` that matches ``name`` (None if none does)."""
+    for pattern in globs or {}:
+        if fnmatch.fnmatchcase(name, pattern):
+            return pattern
+    return None
+
+
 def match(globs: Mapping[str, Any] | None, name: str) -> Any:
     """The value of the first glob in ``globs`` that matches ``name`` (None if none does)."""
-    for pattern, value in (globs or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return value
-    return None
+    found = match_key(globs, name)
+    return None if found is None else globs[found]  # type: ignore[index]
 
 
 def shard_dim(t: SpmdType) -> int | None:
@@ -70,12 +77,16 @@ def shard_dim(t: SpmdType) -> int | None:
 
 
 def _cut(full: torch.Tensor, types: Mapping[str, SpmdType], mesh: MeshInfo, rank: int, label: str,
-         unknown: Callable[[str, SpmdType], str]) -> torch.Tensor:
-    """This rank's piece of ``full``: outer mesh axes cut first, so that pieces nest as they reassemble."""
+         unknown: Callable[[str, SpmdType], str], whole_v: bool = False) -> torch.Tensor:
+    """This rank's piece of ``full``: outer mesh axes cut first, so that pieces nest as they reassemble.
+
+    ``whole_v``: an axis where the type is V (no dim) keeps the whole (a renamed parameter: the name
+    already says which piece this rank holds, such as which expert).
+    """
     x = full
     for axis, n, c in zip(mesh.names, mesh.sizes, mesh.coords[rank]):
         t = types.get(axis, I)
-        if t is R or t is I:
+        if t is R or t is I or (whole_v and t is V):
             continue
         d = shard_dim(t)
         if d is None:
@@ -88,17 +99,15 @@ def _cut(full: torch.Tensor, types: Mapping[str, SpmdType], mesh: MeshInfo, rank
     return x
 
 
-def _param_types(p: torch.Tensor, names: tuple[str, ...]) -> dict[str, SpmdType] | None:
-    from .._checker.asserts import get_type
-
+def _param_types(p: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
     if is_dtensor(p):
-        types, _ = _dtensor_types(p, names)
+        types, _ = _dtensor_types(p, tuple(mesh.mesh_dim_names))
         if types is None:  # a DTensor on a sub-mesh: the axes it does not name hold whole copies
             from ..integrations.dtensor.placements import placement_to_type
 
             types = dict(zip(p.device_mesh.mesh_dim_names or (), map(placement_to_type, p.placements)))
         return types
-    return get_type(p)
+    return types_on(p, mesh)
 
 
 def _store(p: torch.Tensor, name: str, parallel: bool) -> dict[int, torch.Tensor]:
@@ -115,44 +124,87 @@ def _store(p: torch.Tensor, name: str, parallel: bool) -> dict[int, torch.Tensor
         return {0: base.data}
 
 
-def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor], mesh: MeshInfo,
-                    layouts: Mapping[str, Callable[..., torch.Tensor]] | None, *, parallel: bool) -> None:
-    """Write every rank's piece of each reference value in ``initial`` into the model's parameters, by type."""
-    for name, p in params.items():
-        if name not in initial:
-            known = ", ".join(sorted(initial)[:8])
-            raise ValueError(f"check_equivalence: the parallel model's parameter '{name}' is not in the reference "
-                             f"model built on the one-device mesh (its parameters: {known}, ...)")
-        full, layout = initial[name], match(layouts, name)
-        store = _store(p, name, parallel)
-        types = None if (layout is not None or not parallel) else _param_types(p, mesh.names)
-        if parallel and layout is None and types is None:
+@dataclass(frozen=True)
+class Sources:
+    """Where each parallel parameter's pieces come from: ``layouts`` and ``reference_names`` (globs -> functions)."""
+
+    layouts: Mapping[str, Callable[..., torch.Tensor]] | None = None
+    names: Mapping[str, Callable[[str, dict[str, int]], str]] | None = None
+
+    def per_rank(self, name: str) -> bool:
+        """True when ``name`` has a layout or a reference name: its values are compared rank by rank."""
+        return match_key(self.layouts, name) is not None or match_key(self.names, name) is not None
+
+    def label(self, name: str) -> str:
+        """``layouts['glob']`` or ``reference_names['glob']``: what says where ``name``'s pieces come from."""
+        glob = match_key(self.layouts, name)
+        return f"layouts[{glob!r}]" if glob is not None else f"reference_names[{match_key(self.names, name)!r}]"
+
+    def reference_name(self, name: str, coords: dict[str, int]) -> str:
+        """The reference's name for parameter ``name`` on the rank at ``coords``."""
+        rename = match(self.names, name)
+        return name if rename is None else rename(name, coords)
+
+    def piece(self, name: str, types: Mapping[str, SpmdType] | None, mesh: MeshInfo, rank: int,
+              values: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's piece of the reference value, the whole value it was cut from), from ``values`` by name."""
+        coords = mesh.coord_dict(rank)
+        source = self.reference_name(name, coords)
+        if source not in values:
+            known = ", ".join(sorted(values)[:8])
+            raise ValueError(f"check_equivalence: reference_names gives '{source}' for parameter '{name}' on rank "
+                             f"{rank}, but the reference model has no such parameter (its parameters: {known}, ...)")
+        full, layout = values[source], match(self.layouts, name)
+        if layout is not None:
+            return layout(full.clone(), coords), full
+        if types is None:
             raise ValueError(
                 f"check_equivalence loads each parallel parameter from the reference by its type, but parameter "
                 f"'{name}' is untyped: type it in build() (spmd.assert_type(param, types), or "
                 f"spmd_megatron.type_parameters(model)), or give its layout: layouts={{'{name}': "
-                "fn(full, coords) -> local}"
-            )
+                "fn(full, coords) -> local}")
 
-        def unknown(axis: str, t: SpmdType, name: str = name) -> str:
+        def unknown(axis: str, t: SpmdType) -> str:
             return (f"check_equivalence loads a parameter by its type when the type says which piece each rank "
                     f"holds (S(d): a chunk of dim d; R and I: the whole), but parameter '{name}' is {t} on "
-                    f"'{axis}': give its layout: layouts={{'{name}': fn(full, coords) -> local}}")
+                    f"'{axis}': give its layout: layouts={{'{name}': fn(full, coords) -> local}}, or, when each "
+                    f"rank holds other whole parameters (experts), their names: reference_names={{'{name}': "
+                    "fn(name, coords) -> reference name}")
 
+        renamed = match(self.names, name) is not None
+        return _cut(full, types, mesh, rank, f"parameter '{name}'", unknown, whole_v=renamed), full
+
+
+def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor], mesh: MeshInfo,
+                    sources: Sources | None, *, parallel: bool) -> None:
+    """Write every rank's piece of each reference value in ``initial`` into the model's parameters, by type."""
+    sources = sources or Sources()
+    for name, p in params.items():
+        if name not in initial and match(sources.names, name) is None:
+            known = ", ".join(sorted(initial)[:8])
+            raise ValueError(f"check_equivalence: the parallel model's parameter '{name}' is not in the reference "
+                             f"model built on the one-device mesh (its parameters: {known}, ...); if it is another "
+                             f"one's piece there (an expert), name it: reference_names={{'{name}': fn(name, coords) "
+                             "-> reference name}")
+        store = _store(p, name, parallel)
+        layout = match(sources.layouts, name)
+        types = None if (layout is not None or not parallel) else _param_types(p, mesh.device_mesh)
         for rank in mesh.coords:
-            if not parallel:  # every axis has one rank: the whole value, whatever the type
-                piece = full
-            elif layout is not None:
-                piece = layout(full.clone(), mesh.coord_dict(rank))
-            else:
-                piece = _cut(full, types, mesh, rank, f"parameter '{name}'", unknown)
+            if parallel:
+                piece, full = sources.piece(name, types, mesh, rank, initial)
+            else:  # every axis has one rank: the whole value, whatever the type
+                piece = full = initial[name]
             local = store[rank]
             if tuple(piece.shape) != tuple(local.shape):
                 how = "its layout gives" if layout is not None else f"cut by its type {_fmt_types(types)} gives"
+                fix = "" if layout is not None else (
+                    " (a size that depends on the mesh, such as a vocabulary padded to a multiple of tp, differs), or "
+                    f"give its layout: layouts={{'{name}': fn(full, coords) -> local}} (e.g. pad full, then cut this "
+                    "rank's piece)")
                 raise ValueError(
                     f"check_equivalence: parameter '{name}': {how} {list(piece.shape)} on rank {rank} from the "
                     f"reference's {list(full.shape)}, but the parallel parameter is {list(local.shape)}: build() must "
-                    "make the same model on both meshes"
+                    f"make the same model on both meshes{fix}"
                 )
             with torch.no_grad(), torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
                 local.copy_(piece.to(local.dtype))
@@ -232,8 +284,12 @@ def _v_dims(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given: M
     if len(fits) == 1:
         return {**dims, **fits[0]}
     if not fits:
-        return (f"V on {axes} with no dim that makes the reference's shape {list(ref_shape)} from the local "
-                f"{list(local)}: its layout is unknown")
+        first = unknown[0]
+        return (f"V on {axes} whose pieces make the reference's shape {list(ref_shape)} on no dim (local "
+                f"{list(local)}): a pending sum typed V (local SPMD's row-parallel product) has no layout to "
+                "reassemble, and the value after its reduction is compared; to compare it too, type it P "
+                f"(spmd.reinterpret(x, {first!r}, src=spmd.V, dst=spmd.P)); pieces interleaved by a flatten of "
+                "two split dims have none either")
     options = ", ".join("{" + ", ".join(f"{a}: {d}" for a, d in f.items()) + "}" for f in fits)
     return (f"V on {axes}: the shapes (local {list(local)}, reference {list(ref_shape)}) fit several layouts "
             f"({options}); name the dims with output_dims={{'{snap.module or snap.key}': {{axis: dim}}}}")
@@ -245,13 +301,17 @@ def assemble(snap: Snapshot, mesh: MeshInfo, ref_shape: tuple[int, ...], given_d
     if snap.why_not is not None:
         return Assembled(None, reason=snap.why_not)
     if set(snap.values) != set(mesh.coords):
-        return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation?)")
+        return Assembled(None, reason="one plain tensor, not one per simulated rank (made outside the simulation: make it "
+                                      "in build() or step)")
     untyped = [a for a, n in zip(mesh.names, mesh.sizes) if n > 1 and a not in snap.types]  # type: ignore[operator]
     if untyped:
-        return Assembled(None, reason=f"not typed on axis '{untyped[0]}'")
+        return Assembled(None, reason=f"not typed on axis '{untyped[0]}' (type it on every mesh axis of more than one "
+                                      "rank with spmd.assert_type)")
     shapes = {tuple(v.shape) for v in snap.values.values()}
     if len(shapes) > 1:
-        return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)})")
+        return Assembled(None, reason=f"its ranks hold different shapes ({sorted(shapes)}): ragged pieces (the tokens "
+                                      "an expert-parallel exchange gives each rank) have no one-device layout; the "
+                                      "module's output after the exchange back is compared")
     dims = _v_dims(snap, mesh, ref_shape, given_dims)
     if isinstance(dims, str):
         return Assembled(None, reason=dims)
@@ -289,12 +349,15 @@ def _ranks(members: list[tuple[torch.Tensor, tuple[int, ...]]]) -> tuple[int, ..
     return tuple(r for _, ranks in members for r in ranks)
 
 
-def assemble_layout(snap: Snapshot, mesh: MeshInfo, ref: torch.Tensor, layout: Callable[..., torch.Tensor],
-                    tol: float) -> tuple[float, tuple[int, ...], str | None]:
-    """(largest error, ranks beyond ``tol``, reason) comparing each rank with ``layout(reference, coords)``.
+def assemble_per_rank(snap: Snapshot, mesh: MeshInfo, expected: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                      tol: float, label: str) -> tuple[float, tuple[int, ...], str | None]:
+    """(largest error, ranks beyond ``tol``, reason) comparing each rank with ``expected(rank)``.
 
-    A value that is P on an axis is summed over that axis first (every rank of the group is then
-    compared with the sum).
+    ``expected(rank)`` is (this rank's piece of the reference value, the whole it was cut from): a
+    layout's, or a renamed parameter's. A value that is P on an axis is summed over that axis first
+    (every rank of the group is then compared with the sum). ``reason`` says why the value is not
+    compared, or, with an infinite error, why the shapes differ (``label`` names the source:
+    ``layouts['w']``).
     """
     if snap.why_not is not None and snap.types is None:
         return 0.0, (), snap.why_not
@@ -307,9 +370,11 @@ def assemble_layout(snap: Snapshot, mesh: MeshInfo, ref: torch.Tensor, layout: C
             peers = [q for q, cq in mesh.coords.items()
                      if all(cq[k] == c[k] for k in range(len(c)) if k not in partial)]
             got = torch.stack([snap.values[q] for q in peers]).sum(0)
-        want = layout(ref.clone(), mesh.coord_dict(rank)).to(torch.float64)
+        want, full = expected(rank)
+        want = want.to(torch.float64)
         if tuple(got.shape) != tuple(want.shape):
-            return math.inf, (rank,), None
+            return math.inf, (rank,), (f"{label} gives {list(want.shape)} on rank {rank} from the reference's "
+                                       f"{list(full.shape)}, but the parallel value is {list(got.shape)}")
         err = float((got - want).abs().max()) if got.numel() else 0.0
         worst = max(worst, err)
         if not err <= tol:
@@ -319,6 +384,31 @@ def assemble_layout(snap: Snapshot, mesh: MeshInfo, ref: torch.Tensor, layout: C
 
 # ---------------------------------------------------------------------------
 # tolerance
+
+
+def update_tolerances(ref: torch.Tensor, twin: torch.Tensor | None, dtype: torch.dtype, precision: torch.dtype | None,
+                      before: torch.Tensor, twin_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Each element's tolerance for an update (``ref``: the reference's; ``before``: the parameter before the step).
+
+    ``SAFETY * max(|ref - twin|, eps * max|ref|, eps(dtype) * |before|)`` element by element: the
+    update's own round-off where the twin measured it (an optimizer that divides by a gradient's
+    size amplifies it where a gradient is near zero, and only there), never below the resolution of
+    the parameter it was added to. A twin coarser than the run (float32 beside a float64 run whose
+    loss is in float32) also rounds its parameters, which the run does not: one ulp of its parameter
+    is taken off its gap.
+    """
+    coarse = precision if precision is not None and torch.finfo(precision).eps > torch.finfo(dtype).eps else dtype
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    floor = torch.full_like(ref, torch.finfo(coarse).eps * scale)
+    if twin is not None and twin.shape == ref.shape and coarse != torch.float64:
+        gap = (ref - twin).abs()
+        if torch.finfo(twin_dtype).eps > torch.finfo(dtype).eps:
+            gap = (gap - torch.finfo(twin_dtype).eps * before.abs()).clamp_min(0.0)
+        floor = torch.maximum(floor, gap)
+    floor = torch.maximum(floor, torch.finfo(dtype).eps * before.abs())
+    if coarse == torch.float64:
+        return RTOL64 * scale + ATOL64 + SAFETY * floor
+    return SAFETY * floor + torch.finfo(coarse).tiny
 
 
 def tolerance(ref: torch.Tensor, ref64: torch.Tensor | None, dtype: torch.dtype,

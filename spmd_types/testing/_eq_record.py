@@ -7,10 +7,6 @@ names, every rank's value (a float64 copy, taken at once: later in-place ops do 
 the user's source line that produced it. The source lines come from a torch-function mode that,
 for every op the step runs, notes the innermost frame outside ``spmd_types``, torch and the
 standard library: the same rule as the ``at:`` line of an ``SpmdTypeError``.
-
-Simulated ranks read their rank from process groups: :func:`per_rank_group_ranks` makes
-``group.rank()`` of a sub-group answer per simulated rank (Megatron-core slices its vocabulary and
-sequence chunks by it).
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from .._core.errors import _PKG_DIR
 from .._core.types import SpmdType
 from ._simulate import rank_values
 
-__all__ = ["Snapshot", "Recorder", "per_rank_group_ranks", "snapshot", "format_source", "module_names"]
+__all__ = ["Snapshot", "Recorder", "snapshot", "types_on", "format_source", "module_names"]
 
 Where = tuple  # (filename, line number)
 
@@ -49,6 +45,7 @@ class Snapshot:
     source: Where | None = None
     why_not: str | None = None  # set when the value cannot be reassembled (untyped, an odd placement)
     precision: torch.dtype | None = None  # the lowest float dtype the step had computed in when this was recorded
+    op: str | None = None  # kind "random": the op that drew the numbers (``bernoulli_``)
 
 
 # ---------------------------------------------------------------------------
@@ -80,17 +77,28 @@ def _dtensor_types(t: Any, names: tuple[str, ...]) -> tuple[dict[str, SpmdType] 
     return types, None
 
 
-def snapshot(t: torch.Tensor, key: str, kind: str, names: tuple[str, ...], *, module: str | None = None,
-             source: Where | None = None) -> Snapshot:
-    """Record ``t``: its types on the mesh axes ``names``, its partition-spec dims, every rank's value."""
-    from .._checker.asserts import get_type
+def types_on(t: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
+    """``t``'s types presented on ``mesh`` (typed on another presentation of the same ranks, such as an
+    expert mesh whose ``ep`` runs over the ranks of ``tp``: moved onto ``mesh``'s axes by region)."""
+    from .._checker.reading import present
+    from .._core.mesh import set_current_mesh
 
+    if getattr(t, "_spmd_types", None) is None:
+        return None
+    with set_current_mesh(mesh):
+        types, _ = present(t, "check_equivalence", strict=False)
+    return types.as_dict()
+
+
+def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | None = None,
+             source: Where | None = None) -> Snapshot:
+    """Record ``t``: its types on ``mesh``'s axes, its partition-spec dims, every rank's value."""
     snap = Snapshot(key, kind, module=module, source=source)
     if is_dtensor(t):
-        snap.types, snap.why_not = _dtensor_types(t, names)
+        snap.types, snap.why_not = _dtensor_types(t, tuple(mesh.mesh_dim_names))
         snap.values = _plain_values(t._local_tensor)
         return snap
-    types = get_type(t)
+    types = types_on(t, mesh)
     snap.values = _plain_values(t)
     if types is None:
         snap.why_not = "untyped (give it a type with spmd.assert_type, or type the module's output)"
@@ -122,26 +130,60 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
 class Recorder:
     """Hooks every submodule of ``model``; ``outputs`` lists their snapshots in the order forwards finish."""
 
-    def __init__(self, model: torch.nn.Module, names: tuple[str, ...], *, sources: bool, dtype: torch.dtype) -> None:
-        self.names = names
+    def __init__(self, model: torch.nn.Module, mesh: Any, *, sources: bool, dtype: torch.dtype) -> None:
+        self.mesh = mesh
         self.precision = dtype  # lowered when an op of the step returns a float tensor of less precision
         self.outputs: list[Snapshot] = []
-        self._calls: dict[str, int] = {}
+        self.calls: dict[str, int] = {}  # how many times each module's forward ran
+        self.pending: list[Snapshot] = []  # draws not yet given the type of the value they were drawn for
+        self._running: list[str] = []  # the modules whose forward is running, innermost last
+        self._drawn: dict[str, int] = {}
         self._handles: list[Any] = []
         self._where: dict[int, tuple[weakref.ref, Where]] = {}
         self._sources = sources
         for module, name in module_names(model).items():
+            self._handles.append(module.register_forward_pre_hook(self._enter(name)))
             self._handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _enter(self, name: str):
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._running.append(name)
+
+        return hook
+
+    def note_draw(self, op: str, t: torch.Tensor) -> Snapshot:
+        """A random draw (``t``: the drawn numbers), recorded in execution order, named by the running module."""
+        base = self._running[-1] if self._running else "step"
+        k = self._drawn.get(base, 0)
+        self._drawn[base] = k + 1
+        snap = Snapshot(base if k == 0 else f"{base}#{k}", "random", module=base, values=_plain_values(t),
+                        source=_user_frame(), op=op)
+        self.outputs.append(snap)
+        self.pending.append(snap)
+        return snap
+
+    def type_draws(self, out: Any) -> None:
+        """The draws of one call take the type of its output of their shape (dropout's mask: its output's)."""
+        leaves = _tensor_leaves(out)
+        for snap in self.pending:
+            shape = tuple(next(iter(snap.values.values())).shape)
+            found = next((t for t in leaves if tuple(t.shape) == shape), None)
+            if found is not None:
+                typed = snapshot(found, snap.key, "random", self.mesh)
+                snap.types, snap.dims = typed.types, typed.dims
+        self.pending.clear()
 
     def _hook(self, name: str):
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            k = self._calls.get(name, 0)
-            self._calls[name] = k + 1
+            if self._running and self._running[-1] == name:
+                self._running.pop()
+            k = self.calls.get(name, 0)
+            self.calls[name] = k + 1
             base = name if k == 0 else f"{name}#{k}"
             leaves = _tensor_leaves(output)
             for i, t in enumerate(leaves):
                 key = base if len(leaves) == 1 else f"{base}[{i}]"
-                snap = snapshot(t, key, "output", self.names, module=name, source=self.source_of(t))
+                snap = snapshot(t, key, "output", self.mesh, module=name, source=self.source_of(t))
                 snap.precision = self.precision
                 self.outputs.append(snap)
 
@@ -182,10 +224,18 @@ _SKIP_DIRS: list[str] = []
 
 
 def _skip_dirs() -> tuple[str, ...]:
+    """This package's, torch's and the standard library's folders, each ending in a separator: a library
+    whose folder only starts with one of their names (``site-packages/torchtitan``) is not skipped."""
     if not _SKIP_DIRS:
-        _SKIP_DIRS.extend([_PKG_DIR, os.path.dirname(os.path.abspath(torch.__file__)),
-                           os.path.dirname(contextlib.__file__)])
+        dirs = [_PKG_DIR, os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(contextlib.__file__)]
+        _SKIP_DIRS.extend(os.path.join(os.path.abspath(d), "") for d in dirs)
     return tuple(_SKIP_DIRS)
+
+
+def _skipped(filename: str) -> bool:
+    """True for a frame of spmd_types, torch or the standard library (the ``at:`` line names none of them)."""
+    return (filename.startswith("<") or filename.endswith("typing_extensions.py")
+            or os.path.abspath(filename).startswith(_skip_dirs()))
 
 
 def _user_frame() -> Where | None:
@@ -195,10 +245,7 @@ def _user_frame() -> Where | None:
         code = frame.f_code
         skip = _SKIP_CODE.get(code)
         if skip is None:
-            name = code.co_filename
-            skip = (name.startswith("<") or name.endswith("typing_extensions.py")
-                    or os.path.abspath(name).startswith(_skip_dirs()))
-            _SKIP_CODE[code] = skip
+            skip = _SKIP_CODE[code] = _skipped(code.co_filename)
         if not skip:
             return (code.co_filename, frame.f_lineno)
         frame = frame.f_back
@@ -221,6 +268,8 @@ class _SourceMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.recorder.pending:
+            self.recorder.type_draws(args[0] if out is None and args else out)
         name = getattr(func, "__name__", "")
         if name == "__get__" or name == "__set__":  # attribute reads and writes (t.grad, t.shape) make nothing
             return out
@@ -262,51 +311,3 @@ def format_source(where: Where | None) -> str | None:
     except ValueError:
         pass
     return f"{shown}:{line}: {code}"
-
-
-# ---------------------------------------------------------------------------
-# ranks read from process groups
-
-
-def _group_index(group: Any, ranks: frozenset[int]) -> Any:
-    from torch.distributed._local_tensor import LocalIntNode
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-    members, offsets, _ = _prepare_collective_groups(group)
-    index = {o + r: i for o in offsets for i, r in enumerate(members)}
-    values = {r: index[r] for r in ranks}
-    if len(set(values.values())) == 1:
-        return next(iter(values.values()))
-    return torch.SymInt(LocalIntNode(values))
-
-
-@contextlib.contextmanager
-def per_rank_group_ranks() -> Iterator[None]:
-    """Inside: under ``LocalTensorMode``, ``group.rank()`` of a sub-group is each simulated rank's own index.
-
-    The default group keeps answering rank 0 (``torch.distributed`` itself asks it while making
-    groups). The index is a per-rank ``SymInt``: arithmetic and slicing with it run per rank; a
-    Python branch on it (``if group.rank() == 0``) cannot be simulated.
-    """
-    import torch.distributed as dist
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
-    saved = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
-    original = dist.ProcessGroup.rank
-    cache: dict[tuple[int, frozenset], Any] = {}
-
-    def rank(self: Any) -> Any:
-        lm = enabled_local_tensor_mode()
-        if lm is None or not dist.is_initialized() or self is dist.group.WORLD or self.size() == 1:
-            return original(self)
-        key = (id(self), frozenset(lm.ranks))
-        if key not in cache:
-            cache[key] = (self, _group_index(self, frozenset(lm.ranks)))  # the group kept alive: ids stay unique
-        return cache[key][1]
-
-    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        dist.ProcessGroup.rank = saved  # type: ignore[method-assign]
-

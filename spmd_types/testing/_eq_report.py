@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Comparison", "Divergence", "NotCompared", "EquivalenceReport", "DivergenceError"]
+__all__ = ["Comparison", "Divergence", "NotCompared", "EquivalenceReport", "DivergenceError", "NondeterministicStepError"]
 
-Kind = Literal["output", "grad", "param", "loss"]
+Kind = Literal["output", "random", "grad", "param", "loss"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,8 @@ class Comparison:
     the first, ``[i]`` for the i-th tensor of an output with several; the root module is named by
     its class), a parameter's name for its gradient or updated value, or ``"loss"``. ``ranks``
     lists the ranks whose copy of an R or I value disagrees with the others. ``source`` is the
-    user's ``file:line: code`` that produced the value in the parallel run, where known.
+    user's ``file:line: code`` that produced the value in the parallel run, where known. ``reason``
+    says why the error is infinite (the runs made the value with different shapes).
     """
 
     name: str
@@ -30,6 +31,7 @@ class Comparison:
     reference_norm: float
     ranks: tuple[int, ...] = ()
     source: str | None = None
+    reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -117,6 +119,15 @@ class EquivalenceReport:
                 f"{len(self.not_compared)} not compared>")
 
 
+class NondeterministicStepError(RuntimeError):
+    """The step cannot be compared: two one-device runs from the same start differ, a random draw cannot be
+    replayed on one device, or the float64 run strays from the run in ``dtype`` beyond round-off.
+
+    Raised by :func:`~spmd_types.testing.check_equivalence` instead of widening a tolerance until
+    the difference passes; the message names the value and the fix.
+    """
+
+
 class DivergenceError(AssertionError):
     """Raised by :meth:`EquivalenceReport.raise_if_diverged`; ``str(err)`` is the report's table.
 
@@ -144,9 +155,27 @@ def _verdict(c: Comparison, first: bool) -> str:
     if c.ok:
         return "ok"
     text = "DIVERGED"
-    if c.ranks:
+    if c.ranks and c.kind == "random":
+        text += f" (ranks {', '.join(map(str, c.ranks))})"
+    elif c.ranks:
         text += f" (ranks {', '.join(map(str, c.ranks))} disagree)"
     return text + (" <- first" if first else "")
+
+
+def _first_lines(first: Divergence, bad: int, n: int) -> list[str]:
+    """The lines under the table that repeat the first divergence: what, where (``at:``) and why."""
+    head = f"{bad} of {n} compared values diverged. The first: "
+    if first.kind == "random":
+        lines = [f"{head}the random draw in {first.name}: {first.reason}"]
+    else:
+        lines = [f"{head}{first.kind} of {first.name}, max error {_num(first.max_abs_error)} > tolerance "
+                 f"{_num(first.tolerance)} (reference norm {_num(first.reference_norm)})"]
+        if first.ranks:
+            lines[0] = lines[0][:-1] + f"; ranks {', '.join(map(str, first.ranks))} disagree with their R/I peers)"
+    lines.append(f"  at: {first.source}" if first.source else "  at: (source line unknown)")
+    if first.reason is not None and first.kind != "random":
+        lines.append(f"  why: {first.reason}")
+    return lines
 
 
 def _renderable(report: EquivalenceReport, *, color: bool) -> Any:
@@ -172,13 +201,10 @@ def _renderable(report: EquivalenceReport, *, color: bool) -> Any:
     if first is None:
         parts.append(Text(f"ok: all {n} compared values match the reference within tolerance"))
     else:
-        lines = [f"{bad} of {n} compared values diverged. The first: {first.kind} of {first.name}, max error "
-                 f"{_num(first.max_abs_error)} > tolerance {_num(first.tolerance)} (reference norm "
-                 f"{_num(first.reference_norm)})"]
-        if first.ranks:
-            lines[0] = lines[0][:-1] + f"; ranks {', '.join(map(str, first.ranks))} disagree with their R/I peers)"
-        lines.append(f"  at: {first.source}" if first.source else "  at: (source line unknown)")
-        parts.append(Text("\n".join(lines), style="bold red" if color else ""))
+        parts.append(Text("\n".join(_first_lines(first, bad, n)), style="bold red" if color else ""))
+    why = [c for c in report.compared if c.reason is not None and c is not first]
+    if why:
+        parts.append(Text("\n".join(["why:"] + [f"  {c.kind} {c.name}: {c.reason}" for c in why])))
     if report.not_compared:
         rows = [f"not compared ({len(report.not_compared)}):"]
         rows += [f"  {nc.kind} {nc.name}: {nc.reason}" for nc in report.not_compared]

@@ -6,13 +6,14 @@ without importing each other in a cycle.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import math
 from typing import Any, Callable, Iterator, Literal
 
 import torch
 
-__all__ = ["simulate", "per_rank", "rank_values"]
+__all__ = ["simulate", "per_rank", "rank_values", "ranks_read_per_rank"]
 
 
 def per_rank(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
@@ -64,6 +65,11 @@ def simulate(
     the wrong device. On exit the mode, the mesh and a process group this
     call created are torn down.
 
+    With ``ranks="local"``, code that reads its rank reads each simulated rank's own:
+    ``dist.get_rank(group)`` and ``group.rank()`` of a sub-group answer a per-rank int
+    (:func:`ranks_read_per_rank`), so torchtitan's vocab-parallel embedding and Megatron's
+    vocabulary slicing run as on real ranks. ``dist.get_world_size(group)`` is the group's size.
+
     ``rank`` (with ``ranks="fake"``) is the rank whose program runs: this
     process joins the fake group as that rank, so its coordinates on the mesh,
     its groups' ranks and ``spmd.axis_index`` are that rank's. A program that
@@ -105,6 +111,8 @@ def simulate(
                 from torch.distributed._local_tensor import LocalTensorMode
 
                 stack.enter_context(LocalTensorMode(world))
+                stack.enter_context(ranks_read_per_rank())
+                stack.enter_context(_per_rank_ints_have_hints())
             stack.enter_context(torch.device(device))
             stack.enter_context(set_current_mesh(mesh))
             yield mesh
@@ -130,3 +138,178 @@ def _fake_world(size: int, rank: int = 0) -> bool:
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
     return True
+
+
+# ---------------------------------------------------------------------------
+# ranks read from process groups, per simulated rank
+
+
+def _group_index(group: Any, ranks: frozenset[int]) -> Any:
+    """Each simulated rank's index in its copy of ``group`` (torch's simulator lays groups out by offset)."""
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    members, offsets, _ = _prepare_collective_groups(group)
+    index = {o + r: i for o in offsets for i, r in enumerate(members)}
+    return _per_rank_int({r: index[r] for r in ranks})
+
+
+def _per_rank_int(values: dict[int, int]) -> Any:
+    """A plain int where every rank holds the same one, else a per-rank ``SymInt``."""
+    from torch.distributed._local_tensor import LocalIntNode
+
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return torch.SymInt(LocalIntNode(values))
+
+
+@contextlib.contextmanager
+def ranks_read_per_rank() -> Iterator[None]:
+    """Inside, under ``LocalTensorMode``: ``group.rank()`` and ``dist.get_rank(group)`` answer per simulated rank.
+
+    The answer is a per-rank ``SymInt``: arithmetic, slicing, ``min`` and ``max`` run per rank (inside,
+    the builtins ``min`` and ``max`` fall back to picking rank by rank where the ranks' ints compare
+    differently), as do comparisons that come out the same on every rank; a Python branch that
+    differs per rank (``if dist.get_rank(group) == 0``) cannot be simulated. Asked without a group,
+    or through the default group's own ``rank()``, the answer stays this process's rank: code that
+    makes process groups by membership asks so (``torch.distributed`` itself,
+    Megatron's ``initialize_model_parallel``); ``dist.get_rank(group)`` names the group as an axis
+    (a 1-D mesh's group is the default group) and is answered per rank. torch 2.14's simulator
+    answers ``dist.get_rank`` itself, the default group per rank too; here, asked with no group, it
+    answers this process's rank as on 2.13, and a plain int where every rank has the same one.
+    """
+    cache: dict[tuple[int, frozenset], Any] = {}
+    with _group_rank(cache), _dist_get_rank(cache), _builtin_extremes():
+        yield
+
+
+def _index_in(group: Any, cache: dict[tuple[int, frozenset], Any]) -> Any:
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    ranks = frozenset(enabled_local_tensor_mode().ranks)
+    key = (id(group), ranks)
+    if key not in cache:
+        cache[key] = (group, _group_index(group, ranks))  # the group kept alive: ids stay unique
+    return cache[key][1]
+
+
+@contextlib.contextmanager
+def _group_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
+    """``ProcessGroup.rank`` of a sub-group: each simulated rank's index in it."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    saved = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
+    original = dist.ProcessGroup.rank
+
+    def rank(self: Any) -> Any:
+        if enabled_local_tensor_mode() is None or self is dist.group.WORLD or self.size() == 1:
+            return original(self)
+        return _index_in(self, cache)
+
+    dist.ProcessGroup.rank = rank  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.rank = saved  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _dist_get_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
+    """``dist.get_rank(group)`` per simulated rank (torch 2.13), or torch 2.14's answer as an int where it is one."""
+    import torch.distributed as dist
+    import torch.distributed._local_tensor as local
+
+    if hasattr(local, "_LocalDist"):  # torch 2.14: LocalTensorMode patches dist.get_rank with this class's
+        from torch.distributed.distributed_c10d import get_rank as process_rank
+
+        torchs = vars(local._LocalDist)["get_rank"]
+
+        def one_int(group: Any = None) -> Any:
+            if group is None:  # as on 2.13: code that makes groups by membership asks so (Megatron)
+                return process_rank()
+            found = torchs.__func__(group)  # a one-rank simulation (the reference) gets an int to seed with
+            return found.node.val if isinstance(getattr(found, "node", None), local.ConstantIntNode) else found
+
+        current = dist.get_rank  # torch's, put there when LocalTensorMode was entered (and on every re-entry)
+        local._LocalDist.get_rank, dist.get_rank = staticmethod(one_int), one_int
+        try:
+            yield
+        finally:
+            local._LocalDist.get_rank, dist.get_rank = torchs, current
+        return
+    original = dist.get_rank
+
+    def get_rank(group: Any = None) -> Any:
+        lm = local.enabled_local_tensor_mode()
+        if lm is None or not dist.is_initialized() or group is None or group.size() == 1:
+            return original(group)
+        if group is dist.group.WORLD:  # named as an axis (a 1-D mesh's group is the default one)
+            return _per_rank_int({r: r for r in lm.ranks})
+        return _index_in(group, cache)
+
+    dist.get_rank = get_rank
+    try:
+        yield
+    finally:
+        dist.get_rank = original
+
+
+@contextlib.contextmanager
+def _builtin_extremes() -> Iterator[None]:
+    """The builtins ``min`` and ``max`` pick rank by rank where per-rank ints compare differently."""
+    saved = builtins.min, builtins.max
+    builtins.min, builtins.max = _per_rank_extreme(saved[0]), _per_rank_extreme(saved[1])
+    try:
+        yield
+    finally:
+        builtins.min, builtins.max = saved
+
+
+def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
+    """``min`` or ``max`` that, where per-rank ints compare differently on different ranks, picks rank by rank.
+
+    torchtitan's loss takes ``min(vocab_size, start + chunk)`` of a per-rank ``start``: the last rank's
+    bound is the vocabulary size, the others' their chunk's end. Other calls run the builtin unchanged.
+    """
+    def extreme(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return pick(*args, **kwargs)
+        except AssertionError:  # a LocalIntNode comparison that differs per rank
+            from torch.distributed._local_tensor import LocalIntNode, _int_on_rank, enabled_local_tensor_mode
+
+            lm = enabled_local_tensor_mode()
+            items = list(args[0]) if len(args) == 1 else list(args)
+            nodes = [x.node if isinstance(x, torch.SymInt) else x for x in items]
+            if lm is None or kwargs or not any(isinstance(n, LocalIntNode) for n in nodes):
+                raise
+            return _per_rank_int({r: pick(_int_on_rank(n, r) for n in nodes) for r in lm.ranks})
+
+    return extreme
+
+
+@contextlib.contextmanager
+def _per_rank_ints_have_hints() -> Iterator[None]:
+    """Per-rank ints answer what torch asks of concrete sizes (``has_hint``, ``statically_known_true``).
+
+    A per-rank int (``LocalIntNode``) holds concrete values, so it has a hint: an expert-parallel token
+    exchange makes tensors whose length differs per rank, and indexing one asks its size for a hint.
+    Slicing with per-rank bounds (Megatron's experts: ``routing_map[:, first:last]`` with ``first``
+    from the ep rank) compares them, and torch asks the comparison (a constant bool node) whether it is
+    statically known true. Neither torch 2.13's nor 2.14's simulator answers; both are added for the
+    simulation and taken away after it.
+    """
+    from torch.distributed._local_tensor import LocalIntNode
+
+    added = []
+    if not hasattr(LocalIntNode, "has_hint"):
+        LocalIntNode.has_hint = lambda self: True  # type: ignore[attr-defined]
+        added.append((LocalIntNode, "has_hint"))
+    node = torch._C._SymNode
+    if not hasattr(node, "statically_known_true"):
+        node.statically_known_true = lambda self, file, line: self.guard_or_false(file, line)  # type: ignore[attr-defined]
+        added.append((node, "statically_known_true"))
+    try:
+        yield
+    finally:
+        for owner, name in added:
+            delattr(owner, name)

@@ -12,38 +12,24 @@ docs/equivalence.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from .._core.dtensor_hook import is_dtensor
-from ._eq_align import MeshInfo, assemble, assemble_layout, load_parameters, local_batch, match, tolerance
-from ._eq_record import Recorder, Snapshot, format_source, per_rank_group_ranks, snapshot
-from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NotCompared
+from .._core.types import Shard, SpmdType
+from ._eq_align import MeshInfo, Sources, load_parameters, local_batch
+from ._eq_compare import Asked, Run, compare
+from ._eq_determinism import DrawMode, DrawTape, check_repeats, gross_gaps
+from ._eq_record import Recorder, Snapshot, snapshot
+from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NondeterministicStepError, NotCompared
 from ._simulate import rank_values, simulate
 
-__all__ = ["check_equivalence", "EquivalenceReport", "DivergenceError", "Divergence", "Comparison", "NotCompared"]
+__all__ = ["check_equivalence", "EquivalenceReport", "DivergenceError", "Divergence", "Comparison", "NotCompared",
+           "NondeterministicStepError"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class _Run:
-    """What one run recorded, in execution order (filled as the run goes, so a failed step keeps its start)."""
-
-    initial: dict[str, torch.Tensor] | None = None
-    outputs: list[Snapshot] = field(default_factory=list)
-    loss: Snapshot | None = None
-    grads: list[Snapshot] = field(default_factory=list)
-    params: list[Snapshot] = field(default_factory=list)
-    changed: bool = False  # some parameter changed during the step (an optimizer step ran)
-    mesh: MeshInfo | None = None  # the run's axis names, sizes and rank coordinates
-
-    def by_key(self) -> dict[tuple[str, str], Snapshot]:
-        items = [*self.outputs, *([self.loss] if self.loss else []), *self.grads, *self.params]
-        return {(s.kind, s.key): s for s in items}
 
 
 @dataclass(frozen=True)
@@ -52,7 +38,7 @@ class _Spec:
     step: Callable[..., Any]
     batch: Mapping[str, Any]
     names: tuple[str, ...]
-    layouts: Mapping[str, Callable[..., torch.Tensor]] | None
+    sources: Sources
     seed: int
 
 
@@ -64,6 +50,7 @@ def check_equivalence(
     mesh_shape: tuple[int, ...] = (2, 2),
     names: tuple[str, ...] = ("dp", "tp"),
     layouts: Mapping[str, Callable[[torch.Tensor, dict[str, int]], torch.Tensor]] | None = None,
+    reference_names: Mapping[str, Callable[[str, dict[str, int]], str]] | None = None,
     output_dims: Mapping[str, Mapping[str, int]] | None = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     dtype: torch.dtype = torch.float64,
@@ -72,25 +59,33 @@ def check_equivalence(
     """Run ``step`` on simulated ranks and on one device; report the first value where they differ.
 
     ``build(mesh)`` returns the model with typed parameters; it is called inside
-    ``spmd.typecheck()`` with torch's default dtype set to ``dtype``, once on a one-device mesh
-    (every axis of size 1: the reference) and once on the ``mesh_shape`` mesh, whose ranks are
-    simulated in this process (``LocalTensorMode``, CPU). The parallel parameters are then loaded
-    from the reference's (``state_dict`` if given, else the reference build's own initialisation)
-    by their types: S(d), this rank's contiguous chunk of dim d; R and I, the whole; a parameter
-    matching a glob of ``layouts`` gets ``layouts[glob](full, coords)`` (``coords``: this rank's
-    ``{axis: index}``). ``step(model, batch, mesh)`` is one training step as the trainer writes it
-    (forward, backward, gradient sync, maybe an optimizer step), run inside ``spmd.typecheck()``,
-    returning the loss; ``batch`` maps names to ``(global tensor, {axis: type})``: S(d) entries
-    are cut into chunks of dim d, R/I ones given whole, each typed as given (a bare tensor is
-    given whole and untyped). Below float64 the reference also runs in float64 to measure its own
-    round-off, which sets each value's tolerance (docs/equivalence.md).
+    ``spmd.typecheck()`` with torch's default dtype set to ``dtype``, on the ``mesh_shape`` mesh,
+    whose ranks are simulated in this process (``LocalTensorMode``, CPU; each reads its own rank
+    from ``dist.get_rank(group)`` and ``group.rank()``), and on a one-device mesh (every axis of
+    size 1: the reference). The parallel parameters are loaded from the reference's
+    (``state_dict`` if given, else the reference build's own initialisation) by their types: S(d),
+    this rank's contiguous chunk of dim d; R and I, the whole; a parameter matching a glob of
+    ``layouts`` gets ``layouts[glob](full, coords)`` (``coords``: this rank's ``{axis: index}``);
+    one matching a glob of ``reference_names`` comes from the reference parameter
+    ``reference_names[glob](name, coords)`` (expert k of ep rank r: ``local_experts.{r*n+k}``).
+    ``step(model, batch, mesh)`` is one training step as the trainer writes it (forward, backward,
+    gradient sync, maybe an optimizer step), run inside ``spmd.typecheck()``, returning the loss;
+    ``batch`` maps names to ``(global tensor, {axis: type})``: S(d) entries are cut into chunks of
+    dim d, R/I ones given whole, each typed as given (a bare tensor is given whole and untyped).
 
-    Every module's forward output, the loss, every gradient and every updated parameter (when the
-    step changed them) are reassembled by type (R/I: one copy, checked equal on every rank; P:
-    summed; S(d): concatenated on d; V: on its partition spec's dim, else ``output_dims[glob]
-    [axis]``, else the one dim the shapes allow) and compared with the reference. A value whose
-    layout cannot be told is listed in ``report.not_compared`` with the reason, never guessed.
-    An ``SpmdTypeError`` raised by the parallel step propagates unchanged: types first.
+    The parallel run goes first and records its random draws; the reference runs twice replaying
+    them (each draw is also checked per rank for the stream its type asks for), and below float64
+    a third time in float64 to measure its round-off, which sets each value's tolerance
+    (docs/equivalence.md). A step whose two reference runs differ, or whose draws cannot be
+    replayed, raises :class:`NondeterministicStepError` instead of passing.
+
+    Every module's forward output, the loss, every gradient and every update (the parameter after
+    the step minus before it, when the step changed any) are reassembled by type (R/I: one copy,
+    checked equal on every rank; P: summed; S(d): concatenated on d; V: on its partition spec's
+    dim, else ``output_dims[glob][axis]``, else the one dim the shapes allow) and compared with the
+    reference. A value whose layout cannot be told is listed in ``report.not_compared`` with the
+    reason, never guessed. An ``SpmdTypeError`` raised by the parallel step propagates unchanged:
+    types first.
 
     Example::
 
@@ -100,7 +95,7 @@ def check_equivalence(
     """
     mesh_shape, names = tuple(mesh_shape), tuple(names)
     _check_arguments(mesh_shape, names, batch, dtype)
-    spec = _Spec(build, step, batch, names, layouts, seed)
+    spec = _Spec(build, step, batch, names, Sources(layouts, reference_names), seed)
     rng = torch.get_rng_state()  # the runs seed torch's generator; the caller's stream is left as it was
     try:
         return _check(spec, mesh_shape, output_dims, state_dict, dtype)
@@ -110,19 +105,58 @@ def check_equivalence(
 
 def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, Mapping[str, int]] | None,
            state_dict: Mapping[str, torch.Tensor] | None, dtype: torch.dtype) -> EquivalenceReport:
+    """The parallel run first (its type errors come first), then the reference twice, and its twin.
+
+    The twin measures round-off: below float64 it runs in float64; a float64 step that computes in
+    a coarser dtype somewhere (a loss in float32) gets a twin in that dtype.
+    """
     one = tuple(1 for _ in spec.names)
+    start = _initial(spec, one, dtype, state_dict)
+    par = _run(spec, mesh_shape, dtype, start, True)  # its SpmdTypeError propagates as raised
+    tape = DrawTape([s for s in par.outputs if s.kind == "random"], par.mesh, output_dims)  # type: ignore[arg-type]
     held: list[BaseException] = []
-    ref = _attempt(spec, one, dtype, state_dict, False, held)
-    if ref.initial is None:
-        raise held[0]
-    ref64 = None
-    if dtype != torch.float64:
-        start = {k: v.to(torch.float64) for k, v in ref.initial.items()}
-        ref64 = _attempt(spec, one, torch.float64, start, False, held)
-    par = _run(spec, mesh_shape, dtype, ref.initial, True)  # its SpmdTypeError propagates as raised
+    ref = _attempt(spec, one, dtype, start, tape, held)
+    again = _attempt(spec, one, dtype, start, tape, held) if not held else ref
     if held:
         raise held[0]
-    return _compare(ref, ref64, par, spec, output_dims, dtype)
+    check_repeats(ref.snapshots(), again.snapshots(), dtype)
+    twin, strayed = None, {}
+    other = torch.float64 if dtype != torch.float64 else _coarsest(par)
+    if other != dtype:  # below float64, or a float64 step computing in float32 somewhere: its round-off measured
+        twin = _attempt(spec, one, other, {k: v.to(other) for k, v in start.items()}, tape, held)
+        if held:
+            raise held[0]
+        if dtype != torch.float64:
+            strayed = gross_gaps(ref.snapshots(), twin.snapshots(), dtype)
+    return compare(ref, twin, par, Asked(spec.batch, spec.sources, output_dims), dtype, strayed)
+
+
+def _coarsest(run: Run) -> torch.dtype:
+    """The coarsest float dtype the step computed in (float32 for a float64 model whose loss is in float32)."""
+    found = [s.precision for s in run.snapshots() if s.precision is not None]
+    return max(found, key=lambda d: torch.finfo(d).eps, default=torch.float64)
+
+
+def _initial(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype,
+             state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The reference model's parameters at the start: ``state_dict`` loaded, else its own initialisation."""
+    import spmd_types as spmd
+
+    with _default_dtype(dtype), simulate(shape, spec.names, ranks="local", device="cpu") as mesh:
+        torch.manual_seed(spec.seed)
+        with spmd.typecheck():
+            model = _built(spec, mesh)
+        params = dict(model.named_parameters())
+        if state_dict is not None:
+            load_parameters(params, state_dict, MeshInfo.of(mesh), None, parallel=False)
+        return {n: _whole(p) for n, p in params.items()}
+
+
+def _built(spec: _Spec, mesh: Any) -> torch.nn.Module:
+    model = spec.build(mesh)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"check_equivalence: build(mesh) must return an nn.Module, got {type(model).__name__}")
+    return model
 
 
 def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch: Mapping[str, Any],
@@ -134,6 +168,9 @@ def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch:
     for key, entry in batch.items():
         pair = isinstance(entry, tuple) and len(entry) == 2
         full, types = (entry if pair else (entry, None))
+        if type(full).__module__ == "numpy":
+            raise TypeError(f"check_equivalence: batch entry '{key}' holds a numpy.{type(full).__name__}: give a torch "
+                            "tensor (torch.from_numpy(array))")
         if (isinstance(entry, tuple) and not pair) or not isinstance(full, torch.Tensor) or not (
                 types is None or isinstance(types, Mapping)):
             raise TypeError(f"check_equivalence: batch entry '{key}' must be (global tensor, {{axis: type}}) or a "
@@ -142,14 +179,27 @@ def _check_arguments(mesh_shape: tuple[int, ...], names: tuple[str, ...], batch:
         if extra:
             raise ValueError(f"check_equivalence: batch entry '{key}' is typed on '{extra[0]}', which is not a mesh "
                              f"axis ({', '.join(names)})")
+        for axis, t in (types or {}).items():
+            if not isinstance(t, SpmdType):
+                raise TypeError(f"check_equivalence: batch entry '{key}' types axis '{axis}' with {_not_a_type(t)}")
 
 
-def _attempt(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
-             parallel: bool, held: list[BaseException]) -> _Run:
-    """A reference run whose failure is held (and raised after the parallel run: its type errors come first)."""
-    run = _Run()
+def _not_a_type(t: Any) -> str:
+    """What a batch type that is not an SPMD type is, and the type to give instead."""
+    if isinstance(t, str):
+        return f"the string {t!r}: give the type itself, e.g. spmd.{t if t in ('R', 'I', 'S(0)') else 'S(0)'}"
+    if t is Shard:
+        return "the class spmd.S: give a shard of one dim, e.g. spmd.S(0)"
+    return (f"{t!r} ({type(t).__name__}): give an SPMD type: spmd.R, spmd.I, spmd.S(d) (V and P say nothing about how "
+            "the global batch splits)")
+
+
+def _attempt(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor],
+             tape: DrawTape, held: list[BaseException]) -> Run:
+    """A reference run (replaying the parallel run's draws) whose failure is held, to be raised in order."""
+    run = Run()
     try:
-        _run(spec, shape, dtype, start, parallel, run)
+        _run(spec, shape, dtype, start, False, run, tape)
     except Exception as err:  # noqa: BLE001 - re-raised unchanged once the parallel run had its turn
         held.append(err)
     return run
@@ -166,38 +216,39 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
-         parallel: bool, run: _Run | None = None) -> _Run:
-    """Build, load and run one step on a mesh of ``shape``; record everything in ``run``."""
+         parallel: bool, run: Run | None = None, tape: DrawTape | None = None) -> Run:
+    """Build, load and run one step on a mesh of ``shape``; record everything in ``run``.
+
+    The parallel run records its random draws; a reference run replays them from ``tape``.
+    """
     import spmd_types as spmd
 
-    run = run if run is not None else _Run()
+    run = run if run is not None else Run()
     with contextlib.ExitStack() as stack:
         stack.enter_context(_default_dtype(dtype))
         mesh = stack.enter_context(simulate(shape, spec.names, ranks="local", device="cpu"))
-        if parallel:
-            stack.enter_context(per_rank_group_ranks())
         info = run.mesh = MeshInfo.of(mesh)
+        run.dtype = dtype
         torch.manual_seed(spec.seed)
         with spmd.typecheck():
-            model = spec.build(mesh)
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"check_equivalence: build(mesh) must return an nn.Module, got {type(model).__name__}")
+            model = _built(spec, mesh)
         params = dict(model.named_parameters())
         if start is not None:
-            load_parameters(params, start, info, spec.layouts if parallel else None, parallel=parallel)
+            load_parameters(params, start, info, spec.sources if parallel else None, parallel=parallel)
         run.initial = {n: _whole(p) for n, p in params.items()}
-        recorder = Recorder(model, spec.names, sources=parallel, dtype=dtype)
+        run.before = {n: snapshot(p, n, "update", mesh).values for n, p in params.items()}
+        recorder = Recorder(model, mesh, sources=parallel, dtype=dtype)
         batch = None
         try:
             with spmd.typecheck():
                 batch = local_batch(spec.batch, info, dtype)
             torch.manual_seed(spec.seed)
-            with spmd.typecheck(), recorder.sources():
+            with spmd.typecheck(), recorder.sources(), DrawMode(recorder, tape):
                 loss = spec.step(model, batch, mesh)
         finally:
             recorder.remove()
-            run.outputs = recorder.outputs
-        _record_end(run, model, loss, recorder, spec.names)
+            run.outputs, run.calls = recorder.outputs, recorder.calls
+        _record_end(run, model, loss, recorder, mesh)
     return run
 
 
@@ -210,76 +261,18 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
         return base.detach().clone()
 
 
-def _record_end(run: _Run, model: torch.nn.Module, loss: Any, recorder: Recorder, names: tuple[str, ...]) -> None:
+def _record_end(run: Run, model: torch.nn.Module, loss: Any, recorder: Recorder, mesh: Any) -> None:
     if isinstance(loss, torch.Tensor):
-        run.loss = snapshot(loss, "loss", "loss", names, source=recorder.source_of(loss))
+        run.loss = snapshot(loss, "loss", "loss", mesh, source=recorder.source_of(loss))
     else:
         run.loss = Snapshot("loss", "loss", why_not=f"step returned {type(loss).__name__}, not a tensor")
     run.loss.precision = recorder.precision
     for name, p in model.named_parameters():
         if p.grad is not None:
-            run.grads.append(snapshot(p.grad, name, "grad", names, source=recorder.source_of(p.grad)))
+            run.grads.append(snapshot(p.grad, name, "grad", mesh, source=recorder.source_of(p.grad)))
             run.grads[-1].precision = recorder.precision
-        after = snapshot(p, name, "param", names, source=recorder.source_of(p))
-        after.precision = recorder.precision
-        run.params.append(after)
-        if run.initial is not None and not run.changed:
-            first = min(after.values)
-            run.changed = not torch.equal(after.values[first], run.initial[name].to(torch.float64))
-
-
-# ---------------------------------------------------------------------------
-# comparing the parallel run with the reference
-
-
-def _compare(ref: _Run, ref64: _Run | None, par: _Run, spec: _Spec,
-             output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype) -> EquivalenceReport:
-    ref_by, ref64_by = ref.by_key(), (ref64.by_key() if ref64 else {})
-    info = par.mesh
-    assert info is not None
-    compared: list[Comparison] = []
-    skipped: list[NotCompared] = []
-    items = [*par.outputs, *([par.loss] if par.loss else []), *par.grads]
-    if ref.changed or par.changed:
-        items += par.params
-    for snap in items:
-        key = (snap.kind, snap.key)
-        mine = ref_by.get(key)
-        if mine is None or not mine.values:
-            why = (mine.why_not if mine is not None else None) or "not in the reference run"
-            skipped.append(NotCompared(snap.key, snap.kind, why))  # type: ignore[arg-type]
-            continue
-        row = _compare_one(snap, mine, ref64_by.get(key), info, spec, output_dims, dtype)
-        (skipped if isinstance(row, NotCompared) else compared).append(row)
-    seen = {(s.kind, s.key) for s in items}
-    for kind, key in ref_by:
-        if (kind, key) not in seen and kind in ("output", "grad"):
-            skipped.append(NotCompared(key, kind, "not in the parallel run"))  # type: ignore[arg-type]
-    world = " x ".join(f"{a}={n}" for a, n in zip(info.names, info.sizes))
-    title = f"check_equivalence: {world} (simulated) against one device, {str(dtype).removeprefix('torch.')}"
-    return EquivalenceReport(compared, skipped, title=title)
-
-
-def _compare_one(snap: Snapshot, mine: Snapshot, mine64: Snapshot | None, info: MeshInfo, spec: _Spec,
-                 output_dims: Mapping[str, Mapping[str, int]] | None, dtype: torch.dtype) -> Comparison | NotCompared:
-    want = mine.values[0]
-    want64 = mine64.values[0] if mine64 is not None and mine64.values else None
-    tol = tolerance(want, want64, dtype, snap.precision)
-    norm = float(want.norm()) if want.numel() else 0.0
-    source = format_source(snap.source)
-    layout = match(spec.layouts, snap.key) if snap.kind in ("grad", "param") else None
-    if layout is not None:
-        err, ranks, reason = assemble_layout(snap, info, want, layout, tol)
-    else:
-        given = match(output_dims, snap.module) if snap.module is not None else None
-        got = assemble(snap, info, tuple(want.shape), given, tol)
-        reason, ranks, err = got.reason, got.ranks, math.inf  # a reassembled shape unlike the reference's: inf
-        if got.value is not None and got.shape_error is None:
-            err = max(got.spread, float((got.value - want).abs().max()) if want.numel() else 0.0)
-    if reason is not None:
-        return NotCompared(snap.key, snap.kind, reason)  # type: ignore[arg-type]
-    row = Comparison(snap.key, snap.kind, err, tol, norm, ranks, source)  # type: ignore[arg-type]
-    if row.ok:
-        return row
-    return Divergence(snap.key, snap.kind, err, tol, norm, ranks, source)  # type: ignore[arg-type]
-
+        update = snapshot(p, name, "update", mesh, source=recorder.source_of(p))
+        update.values = {r: v - run.before[name][r] for r, v in update.values.items()}
+        update.precision = recorder.precision
+        run.updates.append(update)
+        run.changed = run.changed or any(bool(v.any()) for v in update.values.values())
