@@ -20,7 +20,6 @@ from .._core.state import STATE
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
-from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
 from .latent import apply_remembered, remember, remembered
@@ -35,6 +34,7 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
 from .reading import get_local_type as _typed_local_type
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
+from .traced import register_call, routed, traced_call
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "is_checking",
            "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
@@ -110,7 +110,6 @@ def typecheck(*, strict: bool = False, local: LocalSpec = True) -> Iterator[None
     finally:
         WATCHED.outputs = []
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
-        forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
 
 
 def is_checking() -> bool:
@@ -231,10 +230,13 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
+    if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
+        if not STATE.checking:
+            return t  # the erased program: nothing to remember in a graph
+        traced_call("assert_type", t, types, partition_spec)
+        return t
     if not STATE.checking:
         return remember(t, types, partition_spec)  # applied when typecheck() starts; t stays plain
-    if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
-        refuse_compile()
     if isinstance(t, (list, tuple)):
         return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
     if isinstance(types, SpmdType):  # one type for every axis of the current mesh
@@ -264,6 +266,13 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     if STATE.tracing:
         log_op("assert_type", [old], out)
     return out  # type: ignore[return-value]
+
+
+def _assert_type_node(t: Any, types: Any, partition_spec: Any = None) -> Any:
+    """What ``assert_type``'s graph node runs in the compiled program: nothing (the types are checked at compile)."""
+    return 0
+
+
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -480,3 +489,6 @@ def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | N
             "assert_type",
             ("x", "types"),
         )
+
+
+register_call("assert_type", assert_type, _assert_type_node)

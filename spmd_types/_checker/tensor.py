@@ -22,7 +22,14 @@ from .._core.types import I, R, TypeMap, V
 from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unregistered_function, watch_apply_output
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
-from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
+from .._guards.transforms import (
+    compiling,
+    dynamo_tracing,
+    is_transform_tensor,
+    transform_error,
+    typed_tensor_traced,
+    vmap_setup_caller,
+)
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import backward_possible, infer
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
@@ -95,11 +102,11 @@ class LTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if compiling():  # torch.compile traces the erased program; the graph is checked whole (spmd_types/_compile)
+            return _traced_op(func, args, kwargs)
         if not STATE.checking:
             if func in _KEEP_UNCHECKED:
                 return _KEEP_UNCHECKED[func](func, args, kwargs)
-            if func in _UNCHECKED and compiling():  # dynamo reads a typed tensor's metadata
-                raise _compile_error(args[0])
             return _run(func, args, kwargs)
         if WATCHED.outputs:  # an input a Function returned as it is, aliased by apply: its class now known
             check_apply_outputs()
@@ -109,8 +116,6 @@ class LTensor(torch.Tensor):
         if func in _UNCHECKED:
             if func is _DIM and vmap_setup_caller():  # torch.vmap is batching a typed tensor
                 raise transform_error(format_tensor_type(args[0], args[0]._spmd_types))
-            if compiling():  # dynamo reads a typed tensor's metadata
-                raise _compile_error(args[0])
             if func is _REGISTER_HOOK:
                 return _register_typed_hook(func, args, kwargs)
             if func in _AUTOGRAD_RUNS or _dispatch_depth():
@@ -220,9 +225,17 @@ def _register_typed_hook(func, args, kwargs):
     return _run(func, (t, typed_hook), {})
 
 
-def _compile_error(t: torch.Tensor) -> SpmdTypeError:
+def _traced_op(func, args, kwargs):
+    """An op on a typed tensor while torch.compile traces or compiles: the plain op, unchecked here.
+
+    Code dynamo traces records the plain op in the graph, which is checked whole before it is compiled.
+    Called for real (dynamo or a backend reading a typed tensor's metadata), it tells the compile room
+    that this graph holds typed tensors.
+    """
+    if not dynamo_tracing():
+        typed_tensor_traced()
     with _DisableTF():
-        return compile_error(format_tensor_type(t, getattr(t, "_spmd_types", None)))
+        return func(*args, **kwargs)
 
 
 def _global_result(func, args, kwargs, out, out_types: TypeMap):

@@ -1,0 +1,222 @@
+"""The checking compile backend: dynamo's graph is checked, then compiled by the real backend.
+
+:class:`CheckingBackend` wraps any torch.compile backend. Given dynamo's graph it runs
+:func:`~.graph_check.check_graph` (when checking is on), hands the graph to the backend it wraps, and
+returns a :class:`Runner` around the compiled code. Under ``spmd.typecheck()`` it is installed on every
+graph whose trace meets a typed tensor or an spmd call (:func:`install`); ``spmd.compile_backend()`` names
+it explicitly.
+
+The runner is what a compiled typed step costs beyond the erased one: with checking on, a look at the
+typed inputs' types (the graph is checked again, once, for types it was not checked for), the typed
+inputs handed to the compiled code as plain tensors (and to its backward), and the outputs given their
+types. Checking off, only the hand-over.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .._checker.run_ops import _SWAP_BACK, _swap_for_plain_root, _swap_to_base
+from .._checker.tensor import _wrap
+from .._core.errors import SpmdTypeError
+from .._core.state import STATE
+from .graph_check import Checked, check_graph
+
+__all__ = ["CheckingBackend", "Runner", "compile_backend", "install", "CHECKS"]
+
+# (graph name, seconds) of every check run in this process, for benchmarks and the docs' figures
+CHECKS: list[tuple[str, float]] = []
+
+
+class CheckingBackend:
+    """A torch.compile backend that checks the graph's types, then compiles it with ``inner``."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        checked = _check(gm, example_inputs) if STATE.checking else None
+        swapped = _swap_to_base(tuple(example_inputs), {})  # the backend compiles the erased program
+        try:
+            compiled = self.inner(gm, example_inputs)
+        finally:
+            _restore(swapped)
+        typed = tuple(i for i, x in enumerate(example_inputs) if type(x) in _SWAP_BACK)
+        return Runner(compiled, gm, typed, checked)
+
+
+def _check(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
+    try:
+        checked = check_graph(gm, example_inputs)
+    except SpmdTypeError as err:
+        raise compile_time_error(err) from None
+    CHECKS.append((getattr(gm, "_spmd_name", type(gm).__name__), checked.seconds))
+    return checked
+
+
+class Runner:
+    """The compiled graph as the program calls it: typed inputs in, typed outputs out."""
+
+    def __init__(self, compiled: Callable[..., Any], gm: torch.fx.GraphModule, typed: tuple,
+                 checked: Checked | None) -> None:
+        self.compiled = compiled
+        self.gm = gm
+        self.typed = typed  # positions of the inputs that were typed when the graph was traced
+        self.checks: dict[tuple, Checked] = {}
+        if checked is not None:
+            self.checks[tuple(checked.inputs[i] for i in typed)] = checked
+
+    def __call__(self, *args: Any) -> Any:
+        if not STATE.checking:
+            return self._run(args)
+        key = tuple(_types_of(args[i]) for i in self.typed)
+        checked = self.checks.get(key)
+        if checked is None:  # types this graph was not checked for (or checking was off when it compiled)
+            checked = self.checks[key] = _check(self.gm, list(args))
+        out = self._run(args)
+        for i, types, spec in checked.typed_inputs:
+            _give(args[i], types, spec)
+        flat = out if isinstance(out, (list, tuple)) else (out,)
+        for o, found in zip(flat, checked.outputs):
+            if found is not None and isinstance(o, torch.Tensor):
+                _give(o, *found)
+        self._swap_in_backward(args, flat)
+        return out
+
+    def _run(self, args: tuple) -> Any:
+        swapped = _swap_to_base(args, {})
+        try:
+            return self.compiled(*args)
+        finally:
+            _restore(swapped)
+
+    def _swap_in_backward(self, args: tuple, outputs: Any) -> None:
+        """The compiled backward may meet typed inputs it saved: it gets them plain, as the forward did."""
+        typed = [weakref.ref(args[i]) for i in self.typed if type(args[i]) in _SWAP_BACK]
+        if not typed:
+            return
+        seen = set()
+        for o in outputs:
+            node = o.grad_fn if isinstance(o, torch.Tensor) else None
+            if node is not None and id(node) not in seen:
+                seen.add(id(node))
+                node.register_prehook(functools.partial(_swap_for_plain_root, typed))
+
+
+def _types_of(t: Any) -> tuple | None:
+    types = getattr(t, "_spmd_types", None)
+    return None if types is None else (types, getattr(t, "_spmd_spec", None))
+
+
+def _give(t: torch.Tensor, types: Any, spec: Any) -> None:
+    _wrap(t, types)
+    t._spmd_types = types
+    if spec is not None:
+        t._spmd_spec = spec
+
+
+def _restore(swapped: list) -> None:
+    for x, tp in reversed(swapped):
+        x.__class__ = tp
+
+
+# ---------------------------------------------------------------------------
+# the error a compile raises
+
+
+_ERROR_CLASS: list = []
+
+
+def compile_time_error(err: SpmdTypeError) -> SpmdTypeError:
+    """``err`` as dynamo lets it through from a backend: an SpmdTypeError, with dynamo's frames cut."""
+    if not _ERROR_CLASS:
+        from torch._dynamo.exc import ShortenTraceback
+
+        class SpmdCompileError(SpmdTypeError, ShortenTraceback):
+            """An SpmdTypeError found while checking a compiled graph (dynamo re-raises it as it is)."""
+
+            def __init__(self, rejection: Any, source: str | None) -> None:
+                SpmdTypeError.__init__(self, rejection, source)
+                self.rendered = self.args[0]
+                self.first_useful_frame = None
+
+            def __str__(self) -> str:  # the message as eager gives it (dynamo appends its own hints to args)
+                return self.rendered
+
+            def __reduce__(self):
+                return (SpmdTypeError, (self.rejection, self.source))
+
+        SpmdCompileError.__module__ = "spmd_types"
+        SpmdCompileError.__qualname__ = "SpmdCompileError"
+        _ERROR_CLASS.append(SpmdCompileError)
+    return _ERROR_CLASS[0](err.rejection, err.source)
+
+
+# ---------------------------------------------------------------------------
+# installing it
+
+
+class _Installing(threading.local):
+    busy = False
+
+
+_INSTALLING = _Installing()
+
+
+def install() -> None:
+    """Check the graph dynamo is building (a typed tensor or an spmd call met its trace): wrap its backend."""
+    if _INSTALLING.busy:
+        return
+    _INSTALLING.busy = True
+    try:
+        from torch._dynamo.symbolic_convert import tls
+
+        tx = getattr(tls, "current_tx", None)  # the frame dynamo is converting
+        output = getattr(tx, "output", None)
+        inner = getattr(output, "compiler_fn", None)
+        if inner is None or _is_checking(inner):
+            return
+        output.compiler_fn = CheckingBackend(inner)
+    finally:
+        _INSTALLING.busy = False
+
+
+def _is_checking(fn: Any) -> bool:
+    while fn is not None:
+        if isinstance(fn, CheckingBackend):
+            return True
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+    return False
+
+
+def compile_backend(backend: str | Callable[..., Any] = "inductor", **options: Any) -> CheckingBackend:
+    """A torch.compile backend that checks SPMD types, then compiles with ``backend``.
+
+    Inside :func:`spmd_types.typecheck` torch.compile checks typed code with any backend; name this one
+    to say so explicitly (``options`` go to inductor, as ``torch.compile(options=...)`` would).
+
+    Example::
+
+        step = torch.compile(step, backend=spmd.compile_backend("inductor"), fullgraph=True)
+        with spmd.typecheck():
+            step(batch)   # checked once, when it compiles
+    """
+    if isinstance(backend, str):
+        if backend == "inductor":
+            from torch._dynamo.backends.inductor import inductor
+
+            inner: Callable[..., Any] = functools.partial(inductor, options=options) if options else inductor
+        else:
+            from torch._dynamo.backends.registry import lookup_backend
+
+            if options:
+                raise TypeError(f"spmd.compile_backend({backend!r}) takes no options (they are inductor's)")
+            inner = lookup_backend(backend)
+    else:
+        inner = backend
+    return CheckingBackend(inner)

@@ -1,0 +1,115 @@
+"""Checking one graph that torch.compile traced: dynamo's graph run once, typed, on meta tensors.
+
+Dynamo traces the erased program: every op on a typed tensor is recorded as the plain op, and every
+spmd call as one node holding its arguments (``_checker/traced.py``). :func:`check_graph` runs that graph
+through :class:`TypedInterpreter`: each graph input becomes a meta tensor with the shape, dtype and types
+of the real input, and each node calls its own target on those typed values with checking on. That is
+the eager checker itself (the same ``__torch_function__``, rules table and messages); only the line an
+error names comes from the node (the user's line dynamo recorded) instead of the Python stack.
+
+The result is what the compiled program needs at run time and nothing else: the types of the graph's
+outputs, and the inputs a node typed in place (``assert_type`` on a graph input).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from .._checker.tensor import _DisableTF, _wrap
+from .._checker.traced import CHECKED, decode_call
+from .._core.errors import checking_at
+from .sites import eager_method, user_site
+
+__all__ = ["Checked", "check_graph", "typed_twin", "types_of"]
+
+
+class Checked(NamedTuple):
+    """What checking one graph found, for the compiled program to carry out at run time."""
+
+    inputs: tuple  # per graph input: its (types, spec) when checked, None for a plain tensor or a non-tensor
+    outputs: tuple  # per graph output: the (types, spec) to give it, or None
+    typed_inputs: tuple  # (index, types, spec) of inputs that a node typed in place
+    seconds: float  # time spent checking
+
+
+def types_of(t: Any) -> tuple | None:
+    """``(types, spec)`` of a typed tensor, None for anything else."""
+    types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
+    return None if types is None else (types, getattr(t, "_spmd_spec", None))
+
+
+def typed_twin(real: Any) -> Any:
+    """A meta tensor with ``real``'s shape, strides, dtype, gradient flag, parameter-ness and types."""
+    if not isinstance(real, torch.Tensor):
+        return real
+    with _DisableTF():
+        meta = torch.empty_strided(tuple(real.shape), tuple(real.stride()), dtype=real.dtype, device="meta")
+        grad = real.requires_grad
+        if isinstance(real, torch.nn.Parameter):
+            meta = torch.nn.Parameter(meta, requires_grad=grad)
+        elif grad:
+            meta.requires_grad_(True)
+    found = types_of(real)
+    if found is not None:
+        meta = _wrap(meta, found[0])
+        if found[1] is not None:
+            meta._spmd_spec = found[1]
+    return meta
+
+
+def check_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
+    """Check ``gm`` (dynamo's graph) on typed twins of ``example_inputs`` (with checking on); raise as eager would."""
+    start = time.process_time()
+    twins = [typed_twin(x) for x in example_inputs]
+    before = [types_of(t) for t in twins]
+    with _not_compiling():
+        outputs = TypedInterpreter(gm).run(*twins)
+    typed_inputs = tuple(
+        (i, *types_of(t)) for i, t in enumerate(twins) if types_of(t) is not None and types_of(t) != before[i]
+    )
+    flat_out = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    return Checked(tuple(before), tuple(types_of(o) for o in flat_out), typed_inputs,
+                   time.process_time() - start)
+
+
+class _not_compiling:
+    """Checking runs eager code paths: torch.compiler.is_compiling() is False while it does."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.compiler._is_compiling_flag
+        torch.compiler._is_compiling_flag = False
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.compiler._is_compiling_flag = self.saved
+
+
+class TypedInterpreter(torch.fx.Interpreter):
+    """Runs dynamo's graph on typed meta tensors with checking on, each node at its user's line."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.node = n
+        with checking_at(*user_site(n)):
+            return super().run_node(n)
+
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return typed_twin(super().get_attr(target, args, kwargs))
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if len(args) >= 2 and isinstance(args[1], pytree.TreeSpec):  # a nonstrict-traced call
+            found = decode_call(pytree.tree_unflatten(list(args[2:]), args[1])[0])
+            if found is not None:
+                name, call_args, call_kwargs = found
+                return pytree.tree_flatten(CHECKED[name](*call_args, **call_kwargs))[0]
+        return target(*args, **kwargs)
+
+    def call_method(self, target: str, args: tuple, kwargs: dict) -> Any:
+        self_obj, *rest = args
+        return getattr(self_obj, eager_method(self.node, target))(*rest, **kwargs)

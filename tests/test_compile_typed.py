@@ -1,0 +1,130 @@
+"""Typed code under torch.compile (issue 23): checked once per graph when it compiles, run at erased speed.
+
+A tensor-parallel MLP on a fake process group (rank 0's program): compiled inside ``spmd.typecheck()``
+at both fullgraph settings it compiles and runs with typed outputs and gradients; an ill-typed one raises
+the eager checker's own error, at the user's line, when it compiles; and the graphs the backend compiles
+are the erased program's, node for node.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+import torch.nn.functional as F
+from conftest import fake_mesh
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+import spmd_types as spmd
+from spmd_types import I, R, V
+
+HERE = pathlib.Path(__file__)
+
+
+def _at(code: str) -> str:
+    """``tests/test_compile_typed.py:N: code`` for the one line of this file that is ``code``."""
+    lines = [i for i, text in enumerate(HERE.read_text().splitlines(), 1) if text.strip() == code]
+    assert len(lines) == 1, code
+    return f"tests/{HERE.name}:{lines[0]}: {code}"
+
+
+@pytest.fixture
+def mesh():
+    m = fake_mesh((2,), ("tp",))
+    with spmd.set_current_mesh(m):
+        yield m
+
+
+def _compile(fn, backend="aot_eager", fullgraph=True):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=fullgraph)
+
+
+def tp_mlp(x, w1, w2):
+    h = F.gelu(F.linear(spmd.convert(x, "tp", src=I, dst=R), w1))
+    return spmd.all_reduce(F.linear(h, w2), "tp", src=V, dst=I)
+
+
+def tp_mlp_missing_convert(x, w1, w2):
+    h = F.gelu(F.linear(x, w1))
+    return spmd.all_reduce(F.linear(h, w2), "tp", src=V, dst=I)
+
+
+def _inputs():
+    torch.manual_seed(0)
+    x = spmd.assert_type(torch.randn(4, 4, requires_grad=True), {"tp": I})
+    w1 = spmd.assert_type(torch.nn.Parameter(torch.randn(8, 4)), {"tp": V})
+    w2 = spmd.assert_type(torch.nn.Parameter(torch.randn(4, 8)), {"tp": V})
+    return x, w1, w2
+
+
+def _step(fn):
+    """Forward and backward of ``fn`` on fresh typed inputs: output, its type, and the gradients' types."""
+    with spmd.typecheck():
+        x, w1, w2 = _inputs()
+        out = fn(x, w1, w2)
+        out.sum().backward()
+        return out.detach(), spmd.get_type(out), [spmd.get_type(t.grad) for t in (x, w1, w2)], \
+            [t.grad.detach() for t in (x, w1, w2)]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_typed_mlp_compiles_and_runs_typed(mesh, fullgraph):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out, out_type, grad_types, grads = _step(_compile(tp_mlp, counter, fullgraph))
+    assert counter.frame_count == 1  # one graph: no graph break on the spmd calls
+    assert out_type == {"tp": I}
+    assert grad_types == [{"tp": I}, {"tp": V}, {"tp": V}]  # by duality, as eager gives them
+    want, want_type, want_grad_types, want_grads = _step(tp_mlp)
+    assert (out_type, grad_types) == (want_type, want_grad_types)
+    torch.testing.assert_close(out, want)
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp)
+
+
+MISSING_CONVERT = f"""\
+Invariant (I) values only combine with other I values: F.linear combines input (I) with weight (V). \
+Convert the I operand to R, so that its gradient is all-reduced in backward.
+  op:       F.linear
+  operands: input (x): {{tp: I}}
+            weight (w1): {{tp: V}}
+  axis:     'tp': input is I and weight is V
+  at:       {_at("h = F.gelu(F.linear(x, w1))")}
+  fix:      spmd.convert(x, 'tp', src=spmd.I, dst=spmd.R)"""
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_ill_typed_mlp_is_refused_when_it_compiles(mesh, fullgraph):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with spmd.typecheck():
+        x, w1, w2 = _inputs()
+        with pytest.raises(spmd.SpmdTypeError) as compiled:
+            _compile(tp_mlp_missing_convert, counter, fullgraph)(x, w1, w2)
+        with pytest.raises(spmd.SpmdTypeError) as eager:
+            tp_mlp_missing_convert(x, w1, w2)
+    assert compiled.value.plain == MISSING_CONVERT
+    assert str(compiled.value) == str(eager.value)  # the eager checker's own message
+    assert counter.frame_count == 0  # refused before the backend compiled anything
+
+
+def _capturing_backend(graphs: list):
+    def keep(gm, _):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def test_compiled_graphs_are_the_erased_programs(mesh):
+    """No type bookkeeping reaches the compiled code: forward and backward graphs equal the erased ones."""
+    typed: list = []
+    _step(_compile(tp_mlp, _capturing_backend(typed)))
+    erased: list = []
+    x, w1, w2 = (t.detach().clone().requires_grad_() for t in _inputs())
+    _compile(tp_mlp, _capturing_backend(erased))(x, w1, w2).sum().backward()
+    assert len(typed) == 2 and typed == erased
+    assert "all_reduce" in typed[0] and "all_reduce" in typed[1]  # forward P -> I, backward I -> R's dual
