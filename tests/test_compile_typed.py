@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 import spmd_types as spmd
-from spmd_types import I, R, V
+from spmd_types import I, P, R, V
 
 HERE = pathlib.Path(__file__)
 
@@ -128,3 +128,96 @@ def test_compiled_graphs_are_the_erased_programs(mesh):
     _compile(tp_mlp, _capturing_backend(erased))(x, w1, w2).sum().backward()
     assert len(typed) == 2 and typed == erased
     assert "all_reduce" in typed[0] and "all_reduce" in typed[1]  # forward P -> I, backward I -> R's dual
+
+
+# ---------------------------------------------------------------------------
+# torch.compile(module): typed parameters, gradients typed by duality, the optimizer's check
+
+
+class DataParallelMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 8)
+        self.down = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).square().sum()
+
+
+def _dp_model():
+    torch.manual_seed(0)
+    model = DataParallelMLP()
+    spmd.assert_type(model, {"dp": R})
+    return model
+
+
+@pytest.fixture
+def dp_mesh():
+    m = fake_mesh((2,), ("dp",))
+    with spmd.set_current_mesh(m):
+        yield m
+
+
+@pytest.mark.parametrize("how", ["torch.compile(module)", "module.compile()"])
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_module_gradients_are_typed_and_the_optimizer_checks_them(dp_mesh, how, fullgraph):
+    with spmd.typecheck():
+        model = _dp_model()
+        torch._dynamo.reset()
+        if how == "module.compile()":
+            model.compile(backend="aot_eager", fullgraph=fullgraph)
+            step = model
+        else:
+            step = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+        loss = step(spmd.assert_type(torch.randn(3, 4), {"dp": V}))
+        assert spmd.get_type(loss) == {"dp": V}
+        spmd.all_reduce(loss, "dp", src=V, dst=I).backward()
+        assert {n: spmd.get_type(p.grad) for n, p in model.named_parameters()} == {
+            "up.weight": {"dp": P}, "up.bias": {"dp": P}, "down.weight": {"dp": P}, "down.bias": {"dp": P}}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            opt.step()  # the gradient sync is missing: as in eager, named by parameter
+    assert err.value.rule.startswith("The gradient of parameter 'up.weight' f32[8,4] is a pending sum (P) on 'dp'")
+
+
+def test_a_compiled_graph_is_checked_again_for_new_types(mesh):
+    """Dynamo does not recompile for new types (it guards on the tensor class): the graph is checked again."""
+    fn = _compile(lambda a, b: a + b)
+    with spmd.typecheck():
+        v = spmd.assert_type(torch.randn(3), {"tp": V})
+        assert spmd.get_type(fn(v, v)) == {"tp": V}
+        p = spmd.assert_type(torch.randn(3), {"tp": P})
+        assert spmd.get_type(fn(p, p)) == {"tp": P}
+        r = spmd.assert_type(torch.randn(3), {"tp": R})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            fn(p, r)  # P + R: the R would be added once per rank
+    assert err.value.rule.startswith("A pending sum (P) can only be added to another pending sum: Tensor.__add__ (+)")
+    assert err.value.source == _at("fn = _compile(lambda a, b: a + b)")
+
+
+def with_a_graph_break(x, w):
+    h = x @ w
+    torch._dynamo.graph_break()
+    return spmd.all_reduce(h, "tp", src=P, dst=R)
+
+
+def with_a_graph_break_bug(x, w):
+    h = x @ w
+    torch._dynamo.graph_break()
+    return spmd.all_reduce(h, "tp", src=V, dst=R)
+
+
+def test_graph_breaks_hand_typed_values_on(mesh):
+    """fullgraph=False: each graph is checked; the values between graphs are typed, so eager code checks too."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    fn = _compile(with_a_graph_break, counter, fullgraph=False)
+    with spmd.typecheck():
+        x = spmd.assert_type(torch.randn(3, 4), {"tp": R})
+        w = spmd.assert_type(torch.randn(4, 4), {"tp": P})
+        out = fn(x, w)
+        assert counter.frame_count == 2 and spmd.get_type(out) == {"tp": R}
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            _compile(with_a_graph_break_bug, fullgraph=False)(x, w)
+    assert err.value.rule.startswith("spmd.all_reduce's src= must be the input's type on the axis: src=V, but the "
+                                     "tensor is P on axis 'tp'.")
+    assert err.value.source == _at('return spmd.all_reduce(h, "tp", src=V, dst=R)')

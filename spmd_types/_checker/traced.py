@@ -126,9 +126,9 @@ def encode(value: Any) -> Any:
 
 def decode(value: Any) -> Any:
     """The inverse of :func:`encode`."""
-    if value == NONE:
+    if type(value) is tuple and len(value) == 1 and type(value[0]) is str and value[0] == NONE[0]:
         return None
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
+    if type(value) is tuple and len(value) == 2 and isinstance(value[0], str):
         if value[0] == TYPE_TAG:
             short = value[1]
             return Shard(int(short[2:-1])) if short.startswith("S(") else _by_short_name(short)

@@ -67,7 +67,8 @@ def check_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
     start = time.process_time()
     twins = [typed_twin(x) for x in example_inputs]
     before = [types_of(t) for t in twins]
-    with _not_compiling():
+    # dynamo calls a compiled graph with subclass dispatch off: the checker needs it on
+    with _not_compiling(), torch._C._EnableTorchFunction():
         outputs = TypedInterpreter(gm).run(*twins)
     typed_inputs = tuple(
         (i, *types_of(t)) for i, t in enumerate(twins) if types_of(t) is not None and types_of(t) != before[i]
