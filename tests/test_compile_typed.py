@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 import spmd_types as spmd
-from spmd_types import I, P, R, V
+from spmd_types import I, P, R, S, V
 
 HERE = pathlib.Path(__file__)
 
@@ -221,3 +221,50 @@ def test_graph_breaks_hand_typed_values_on(mesh):
     assert err.value.rule.startswith("spmd.all_reduce's src= must be the input's type on the axis: src=V, but the "
                                      "tensor is P on axis 'tp'.")
     assert err.value.source == _at('return spmd.all_reduce(h, "tp", src=V, dst=R)')
+
+
+# ---------------------------------------------------------------------------
+# global SPMD
+
+
+def colwise(x, w):
+    h = torch.relu(x @ w)
+    return spmd.all_gather(h, "tp", src=S(1), dst=R)
+
+
+def rowwise(h, w):
+    return spmd.all_reduce(spmd.linear(h, w, out_partial_axes="tp"), "tp", src=P, dst=R)
+
+
+def unclaimed_sum(x, w):
+    return (x @ w).sum(1) + 1.0
+
+
+UNCLAIMED = f"""\
+Global SPMD: input sums over a sharded dim (a contraction or a reduction): it is a pending sum (P) on 'tp', used \
+by Tensor.__add__ (+) before anything claimed it. Claim it (an assert, a declared output type) or ask for it with \
+out_partial_axes.
+  op:      Tensor.__add__ (+)
+  operand: input: {{dp: R, tp: P}} (P on 'tp' not yet claimed)
+  at:      {_at("return (x @ w).sum(1) + 1.0")}
+  fix:     spmd.assert_type((x @ w).sum(1), {{'tp': spmd.P}}) right after it
+  or:      spmd.sum / spmd.linear / spmd.matmul / spmd.einsum(..., out_partial_axes='tp')"""
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_global_spmd_compiles_with_partition_specs(mesh_dp_tp, fullgraph):
+    with spmd.set_current_mesh(mesh_dp_tp), spmd.typecheck(local=False):
+        x = spmd.assert_type(torch.randn(3, 8), {})
+        w = spmd.assert_type(torch.randn(8, 4), {"tp": S(1)})
+        h = spmd.assert_type(torch.randn(3, 2), {"tp": S(1)})
+        w2 = spmd.assert_type(torch.randn(5, 2), {"tp": S(1)})
+        out = _compile(colwise, fullgraph=fullgraph)(x, w)
+        assert repr(out) == "f32[3,16] {dp: R, tp: R}"
+        assert spmd.get_partition_spec(out) == spmd.PartitionSpec(None, None)
+        y = _compile(rowwise, fullgraph=fullgraph)(h, w2)
+        assert repr(y) == "f32[3,5] {dp: R, tp: R}"
+        with pytest.raises(spmd.SpmdTypeError) as compiled:
+            _compile(unclaimed_sum, fullgraph=fullgraph)(x, w)
+        with pytest.raises(spmd.SpmdTypeError) as eager:
+            unclaimed_sum(x, w)
+    assert compiled.value.plain == UNCLAIMED == eager.value.plain

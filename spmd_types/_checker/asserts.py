@@ -17,6 +17,7 @@ from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
@@ -34,7 +35,6 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
 from .reading import get_local_type as _typed_local_type
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
-from .traced import register_call, routed, traced_call
 
 __all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "is_checking",
            "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",

@@ -16,11 +16,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .._checker.tensor import _DisableTF
-from .._checker.traced import register_call, routed, traced_call
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh
 from .._core.state import STATE
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import I, P, R, S, SpmdType, V, base_type, check_type_value
 from .._local.transitions import ROUTE
 from . import impl as impl

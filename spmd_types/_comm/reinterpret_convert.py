@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .._checker.traced import register_call, routed, traced_call
 from .._core.dtensor_hook import interop, is_dtensor
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import SpmdType, V, base_type
 from .call import Call, begin, check_sizes, finish, norm_dim
 from .dtypes import for_call

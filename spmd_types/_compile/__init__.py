@@ -1,6 +1,6 @@
 """Checking under torch.compile: dynamo's graph of the erased program, checked once, then compiled."""
 
-from .._guards.transforms import TRACE_HOOKS
+from .._core.traced import TRACE_HOOKS
 from .backend import install
 
 if install not in TRACE_HOOKS:

@@ -21,8 +21,8 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from .._checker.tensor import _DisableTF, _wrap
-from .._checker.traced import CHECKED, decode_call
 from .._core.errors import checking_at
+from .._core.traced import CHECKED, decode_call
 from .sites import eager_method, user_site
 
 __all__ = ["Checked", "check_graph", "typed_twin", "types_of"]

@@ -28,14 +28,13 @@ import sys
 import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._core.traced import TRACE_HOOKS, compiling, dynamo_tracing, typed_tensor_traced
 
 __all__ = [
     "vmap_setup_caller", "is_transform_tensor", "transform_error", "compiling", "dynamo_tracing",
     "typed_tensor_traced", "TRACE_HOOKS",
 ]
 
-compiling = torch.compiler.is_compiling  # dynamo traces, or a backend compiles (AOT, inductor)
-dynamo_tracing = torch.compiler.is_dynamo_compiling  # True only in code dynamo itself traces
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _SETUP = "_process_batched_inputs"
@@ -63,13 +62,3 @@ def transform_error(shown: str) -> SpmdTypeError:
         ),
         user_source_line(),
     )
-
-
-# The compile room's hook, called with no arguments when a trace meets a typed tensor (installed on import).
-TRACE_HOOKS: list = []
-
-
-def typed_tensor_traced() -> None:
-    """A typed tensor met while torch.compile traces or compiles (outside the code dynamo itself traces)."""
-    for hook in TRACE_HOOKS:
-        hook()

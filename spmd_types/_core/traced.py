@@ -19,11 +19,25 @@ from typing import Any, Callable
 
 import torch
 
-from .._core.state import STATE
-from .._core.types import PartitionSpec, Shard, SpmdType, _by_short_name
-from .._guards.transforms import compiling, typed_tensor_traced
+from .state import STATE
+from .types import PartitionSpec, Shard, SpmdType, _by_short_name
 
-__all__ = ["routed", "traced_call", "register_call", "decode_call", "NODE_TAG", "CHECKED"]
+__all__ = [
+    "routed", "traced_call", "register_call", "decode_call", "NODE_TAG", "CHECKED", "compiling", "dynamo_tracing",
+    "typed_tensor_traced", "TRACE_HOOKS",
+]
+
+compiling = torch.compiler.is_compiling  # dynamo traces, or a backend compiles (AOT, inductor)
+dynamo_tracing = torch.compiler.is_dynamo_compiling  # True only in code dynamo itself traces
+
+# The compile room's hook, called with no arguments when a trace meets a typed tensor or an spmd call.
+TRACE_HOOKS: list = []
+
+
+def typed_tensor_traced() -> None:
+    """A typed tensor (or an spmd call) met while torch.compile traces or compiles, outside dynamo's own trace."""
+    for hook in TRACE_HOOKS:
+        hook()
 
 NODE_TAG = "spmd_types.call"
 TYPE_TAG = "spmd_types.type"
