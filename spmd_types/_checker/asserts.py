@@ -17,7 +17,7 @@ from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.traced import register_call, routed, traced_call
+from .._core.traced import register_call, routed, traced_call, zero
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
@@ -268,11 +268,6 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     return out  # type: ignore[return-value]
 
 
-def _assert_type_node(t: Any, types: Any, partition_spec: Any = None) -> Any:
-    """What ``assert_type``'s graph node runs in the compiled program: nothing (the types are checked at compile)."""
-    return 0
-
-
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -491,4 +486,4 @@ def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | N
         )
 
 
-register_call("assert_type", assert_type, _assert_type_node)
+register_call("assert_type", assert_type, zero)

@@ -9,6 +9,7 @@ and types in place. LTensor never knows about collectives.
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
@@ -45,6 +46,8 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _swap_to_base,
 )
 from .trace import log_op
+from .typed_classes import register_bases
+from .typed_classes import typed_class_for as _typed_class_for
 from .zero_buffers import into_zeros, known_into_zeros, remember, storage_shared
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
@@ -68,6 +71,7 @@ _TRANSFORMED = object()  # a torch.func transform's wrapped tensor (see _vmap.py
 _DIM = torch.Tensor.dim
 _VIEW_AS = torch.Tensor.view_as
 _REGISTER_HOOK = torch.Tensor.register_hook
+_PyFunction = types.FunctionType
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
     """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
@@ -232,10 +236,26 @@ def _traced_op(func, args, kwargs):
     Called for real (dynamo or a backend reading a typed tensor's metadata), it tells the compile room
     that this graph holds typed tensors.
     """
-    if not dynamo_tracing():
-        typed_tensor_traced()
-    with _DisableTF():
-        return func(*args, **kwargs)
+    if not dynamo_tracing() or not isinstance(func, _PyFunction):
+        if not dynamo_tracing():
+            typed_tensor_traced()
+        with _DisableTF():
+            return func(*args, **kwargs)
+    # dynamo traces a Python function (a torch.nn.functional one): on plain views of the typed operands, as dynamo
+    # would route the function's own __torch_function__ check back here with subclass dispatch off
+    return func(*_plain_views(args), **dict(zip(kwargs, _plain_views(tuple(kwargs.values())))))
+
+
+def _plain_views(args: tuple) -> list:
+    out = []
+    for a in args:
+        if type(a) in _TYPED_CLASSES:
+            with _DisableTF():
+                a = a.view_as(a)
+        elif type(a) is list or type(a) is tuple:
+            a = type(a)(_plain_views(a))
+        out.append(a)
+    return out
 
 
 def _global_result(func, args, kwargs, out, out_types: TypeMap):
@@ -299,60 +319,10 @@ def _rebuild_typed_parameter(data: torch.Tensor, requires_grad: bool, types: Typ
     return p  # type: ignore[return-value]
 
 
-_LOCAL_CLASSES: dict[type, type] = {}
-
-
-def _local_tensor_class() -> type | None:
-    """``LocalLTensor(LTensor, LocalTensor)``, made on first use (only tests need it)."""
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except ImportError:  # pragma: no cover - torch without the simulator
-        return None
-    if LocalTensor not in _LOCAL_CLASSES:
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            # Autograd saves the typed objects themselves, so backward formulas reach the
-            # simulator with them: hand it its own class while it runs.
-            swapped = _swap_to_base(args, kwargs or {})
-            try:
-                types = tuple(LocalTensor if t is cls else t for t in types)
-                return LocalTensor.__torch_dispatch__(func, types, args, kwargs)
-            finally:
-                for x, tp in swapped:
-                    x.__class__ = tp
-
-        # LocalTensor.contiguous is a custom autograd Function whose result is a plain LocalTensor; the typed
-        # class runs Tensor.contiguous through the rules like any op, so the result keeps its type.
-        local_cls = type("LocalLTensor", (LTensor, LocalTensor),
-                         {"__module__": __name__, "__torch_dispatch__": __torch_dispatch__,
-                          "contiguous": torch.Tensor.contiguous})
-        _LOCAL_CLASSES[LocalTensor] = local_cls
-        _SWAP_BACK[local_cls] = LocalTensor
-    return _LOCAL_CLASSES[LocalTensor]
-
-
 _SWAP_BACK[TypedParameter] = torch.nn.Parameter
 _SWAP_BACK[LTensor] = torch.Tensor  # a plain tensor typed in place under the rank simulator (made outside it)
 _TYPED_CLASSES.update({LTensor, TypedParameter})
-
-
-def _typed_class_for(t: torch.Tensor) -> type:
-    tp = type(t)
-    if tp is torch.Tensor:
-        return LTensor
-    if tp is torch.nn.Parameter:
-        return TypedParameter
-    if tp in _TYPED_CLASSES or tp in _SWAP_BACK:
-        return tp
-    local_cls = _local_tensor_class()
-    if local_cls is not None and tp in _LOCAL_CLASSES:
-        _TYPED_CLASSES.add(local_cls)
-        return local_cls
-    raise TypeError(
-        f"spmd_types cannot type a tensor of class {tp.__name__}; pass a plain torch.Tensor, "
-        "an nn.Parameter or a LocalTensor"
-    )
+register_bases(LTensor, TypedParameter)
 
 
 def _marker(a: Any) -> Any:

@@ -174,6 +174,7 @@ def install() -> None:
         return
     _INSTALLING.busy = True
     try:
+        _keep_functions_whole()
         from torch._dynamo.symbolic_convert import tls
 
         tx = getattr(tls, "current_tx", None)  # the frame dynamo is converting
@@ -184,6 +185,23 @@ def install() -> None:
         output.compiler_fn = CheckingBackend(inner)
     finally:
         _INSTALLING.busy = False
+
+
+# torch functions written in Python that eager checks as one op (their own rule), which dynamo would inline
+# into the ops they call: kept as one graph node each, so that the checker meets the op eager meets.
+_WHOLE = ("rms_norm", "pad")
+_KEPT: list = []
+
+
+def _keep_functions_whole() -> None:
+    if _KEPT:
+        return
+    import torch.nn.functional as F
+    from torch._dynamo import allow_in_graph
+
+    for name in _WHOLE:
+        allow_in_graph(getattr(F, name))
+    _KEPT.append(True)
 
 
 def _is_checking(fn: Any) -> bool:

@@ -1,8 +1,8 @@
-"""Checking one graph that torch.compile traced: dynamo's graph run once, typed, on meta tensors.
+"""Checking one graph that torch.compile traced: dynamo's graph run once, typed, on fake tensors.
 
 Dynamo traces the erased program: every op on a typed tensor is recorded as the plain op, and every
-spmd call as one node holding its arguments (``_checker/traced.py``). :func:`check_graph` runs that graph
-through :class:`TypedInterpreter`: each graph input becomes a meta tensor with the shape, dtype and types
+spmd call as one node holding its arguments (``_core/traced.py``). :func:`check_graph` runs that graph
+through :class:`TypedInterpreter`: each graph input becomes a fake tensor with the shape, dtype and types
 of the real input, and each node calls its own target on those typed values with checking on. That is
 the eager checker itself (the same ``__torch_function__``, rules table and messages); only the line an
 error names comes from the node (the user's line dynamo recorded) instead of the Python stack.
@@ -18,11 +18,12 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from .._checker.tensor import _DisableTF, _wrap
 from .._core.errors import checking_at
-from .._core.traced import CHECKED, decode_call
+from .._core.traced import CHECKED, REBINDS, decode_call, region_depth, unwind_regions
 from .sites import eager_method, user_site
 
 __all__ = ["Checked", "check_graph", "typed_twin", "types_of"]
@@ -43,33 +44,41 @@ def types_of(t: Any) -> tuple | None:
     return None if types is None else (types, getattr(t, "_spmd_spec", None))
 
 
-def typed_twin(real: Any) -> Any:
-    """A meta tensor with ``real``'s shape, strides, dtype, gradient flag, parameter-ness and types."""
+def typed_twin(real: Any, mode: Any) -> Any:
+    """A fake tensor (``mode``'s) with ``real``'s shape, strides, dtype, device, gradient flag, parameter-ness, types."""
     if not isinstance(real, torch.Tensor):
         return real
     with _DisableTF():
-        meta = torch.empty_strided(tuple(real.shape), tuple(real.stride()), dtype=real.dtype, device="meta")
-        grad = real.requires_grad
-        if isinstance(real, torch.nn.Parameter):
-            meta = torch.nn.Parameter(meta, requires_grad=grad)
-        elif grad:
-            meta.requires_grad_(True)
+        shape, stride, dtype, device, grad = tuple(real.shape), real.stride(), real.dtype, real.device, \
+            real.requires_grad
+        is_param = isinstance(real, torch.nn.Parameter)
+    with mode:
+        twin = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if is_param:
+        twin = torch.nn.Parameter(twin, requires_grad=grad)
+    elif grad:
+        twin.requires_grad_(True)
     found = types_of(real)
     if found is not None:
-        meta = _wrap(meta, found[0])
+        twin = _wrap(twin, found[0])
         if found[1] is not None:
-            meta._spmd_spec = found[1]
-    return meta
+            twin._spmd_spec = found[1]
+    return twin
 
 
 def check_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
     """Check ``gm`` (dynamo's graph) on typed twins of ``example_inputs`` (with checking on); raise as eager would."""
     start = time.process_time()
-    twins = [typed_twin(x) for x in example_inputs]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # a graph may close over real tensors (a mask's table)
+    twins = [typed_twin(x, mode) for x in example_inputs]
     before = [types_of(t) for t in twins]
+    depth = region_depth()
     # dynamo calls a compiled graph with subclass dispatch off: the checker needs it on
-    with _not_compiling(), torch._C._EnableTorchFunction():
-        outputs = TypedInterpreter(gm).run(*twins)
+    try:
+        with _not_compiling(), torch._C._EnableTorchFunction():
+            outputs = TypedInterpreter(gm, mode).run(*twins)
+    finally:
+        unwind_regions(depth)  # a region a graph break left open closes with its graph
     typed_inputs = tuple(
         (i, *types_of(t)) for i, t in enumerate(twins) if types_of(t) is not None and types_of(t) != before[i]
     )
@@ -90,10 +99,11 @@ class _not_compiling:
 
 
 class TypedInterpreter(torch.fx.Interpreter):
-    """Runs dynamo's graph on typed meta tensors with checking on, each node at its user's line."""
+    """Runs dynamo's graph on typed fake tensors with checking on, each node at its user's line."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, mode: Any) -> None:
         super().__init__(gm, garbage_collect_values=True)
+        self.mode = mode
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node = n
@@ -101,15 +111,27 @@ class TypedInterpreter(torch.fx.Interpreter):
             return super().run_node(n)
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        return typed_twin(super().get_attr(target, args, kwargs))
+        return typed_twin(super().get_attr(target, args, kwargs), self.mode)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if len(args) >= 2 and isinstance(args[1], pytree.TreeSpec):  # a nonstrict-traced call
             found = decode_call(pytree.tree_unflatten(list(args[2:]), args[1])[0])
             if found is not None:
                 name, call_args, call_kwargs = found
-                return pytree.tree_flatten(CHECKED[name](*call_args, **call_kwargs))[0]
+                result = CHECKED[name](*call_args, **call_kwargs)
+                if name not in REBINDS:
+                    return pytree.tree_flatten(result)[0]
+                self._rebind(args[2:], call_args[0], result)
+                return [0]
         return target(*args, **kwargs)
+
+    def _rebind(self, flat_args: tuple, old: Any, new: Any) -> None:
+        """Later nodes see ``new`` (a region's typed outputs) where this node was given ``old``."""
+        new_leaves = pytree.tree_flatten(new)[0]
+        swap = {id(o): n for o, n in zip(pytree.tree_flatten(old)[0], new_leaves) if isinstance(o, torch.Tensor)}
+        for arg_node, value in zip(self.node.args[2:], flat_args):
+            if isinstance(arg_node, torch.fx.Node) and id(value) in swap:
+                self.env[arg_node] = swap[id(value)]
 
     def call_method(self, target: str, args: tuple, kwargs: dict) -> Any:
         self_obj, *rest = args

@@ -7,9 +7,9 @@ call (its autograd Function, the functional collectives of its forward and, thro
 backward). The checker (``spmd_types/_compile``) finds the node, decodes the arguments and runs the same
 call, typed, on typed meta values: the eager code path, so the same rules and messages.
 
-Arguments travel as graph constants: str, int, float, bool, None, dtypes, and tuples, lists and dicts of
-them. A type becomes a tagged tuple (``(TYPE_TAG, "S(0)")``), a partition spec and a process group too
-(the group by name); anything else refuses with a clear error at trace time.
+Arguments travel as graph constants (``traced_args.py``). Regions (``local_map``, ``spmd.local()``,
+``no_typecheck``) become an enter node and an exit node; the checker keeps their state between the two
+(:func:`push_region`, :func:`pop_region`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 
 from .state import STATE
-from .types import PartitionSpec, Shard, SpmdType, _by_short_name
+from .traced_args import decode, encode
 
 __all__ = [
-    "routed", "traced_call", "register_call", "decode_call", "NODE_TAG", "CHECKED", "compiling", "dynamo_tracing",
-    "typed_tensor_traced", "TRACE_HOOKS",
+    "routed", "traced_call", "register_call", "decode_call", "NODE_TAG", "CHECKED", "REBINDS", "compiling",
+    "dynamo_tracing", "typed_tensor_traced", "TRACE_HOOKS", "push_region", "pop_region", "unwind_regions",
 ]
 
 compiling = torch.compiler.is_compiling  # dynamo traces, or a backend compiles (AOT, inductor)
@@ -40,25 +40,55 @@ def typed_tensor_traced() -> None:
         hook()
 
 NODE_TAG = "spmd_types.call"
-TYPE_TAG = "spmd_types.type"
-SPEC_TAG = "spmd_types.partition_spec"
-GROUP_TAG = "spmd_types.group"
-NONE = ("spmd_types.none",)  # None is no graph constant
 
 # name -> what the call runs in the compiled program (the erased call, on plain tensors)
 BODIES: dict[str, Callable[..., Any]] = {}
 # name -> the call the checker runs on typed values (the public function)
 CHECKED: dict[str, Callable[..., Any]] = {}
+# the calls whose checked result replaces their first argument's tensors for the rest of the graph
+REBINDS: set[str] = set()
 
 
-def register_call(name: str, checked: Callable[..., Any], body: Callable[..., Any] | None = None) -> None:
+def register_call(name: str, checked: Callable[..., Any], body: Callable[..., Any] | None = None, *,
+                  rebinds: bool = False) -> None:
     """Spmd call ``name``: ``checked`` is the public function; ``body`` what its graph node runs (default: it).
 
     The body returns a tensor, or a number when the call's result is the input itself (``assert_type``):
-    a graph node returns no input as its output.
+    a graph node returns no input as its output. ``rebinds``: the checked call returns its first argument
+    typed (a region's declared outputs), and later nodes see those typed values.
     """
     CHECKED[name] = checked
     BODIES[name] = checked if body is None else body
+    if rebinds:
+        REBINDS.add(name)
+
+
+def zero(*args: Any, **kwargs: Any) -> int:
+    """The body of a node that only the checker acts on (a region's edge, an assertion)."""
+    return 0
+
+
+# The checker's open regions, innermost last: context managers entered at a region's enter node.
+_REGIONS: list = []
+
+
+def push_region(cm: Any) -> None:
+    cm.__enter__()
+    _REGIONS.append(cm)
+
+
+def pop_region() -> None:
+    _REGIONS.pop().__exit__(None, None, None)
+
+
+def unwind_regions(depth: int) -> None:
+    """Close the regions opened past ``depth`` (a graph that ended, or failed, inside one)."""
+    while len(_REGIONS) > depth:
+        pop_region()
+
+
+def region_depth() -> int:
+    return len(_REGIONS)
 
 
 class _Inside(threading.local):
@@ -114,46 +144,3 @@ def decode_call(flat: tuple) -> tuple[str, tuple, dict] | None:
         return None
     _, name, args, kwargs = flat
     return name, decode(args), decode(kwargs)
-
-
-def encode(value: Any) -> Any:
-    """``value`` as graph constants (see the module docstring)."""
-    if isinstance(value, SpmdType):
-        return (TYPE_TAG, value._short)
-    if isinstance(value, PartitionSpec):
-        return (SPEC_TAG, encode(tuple(value)))
-    if isinstance(value, (tuple, list)):
-        return type(value)(encode(v) for v in value)
-    if isinstance(value, dict):
-        return {encode(k): encode(v) for k, v in value.items()}
-    if value is None:
-        return NONE
-    if isinstance(value, (torch.Tensor, str, int, float, bool, torch.dtype)):
-        return value
-    if isinstance(value, torch.distributed.ProcessGroup):
-        return (GROUP_TAG, value.group_name)
-    raise NotImplementedError(
-        f"an spmd call inside torch.compile takes arguments that can be graph constants (str, int, types, "
-        f"process groups, tuples and dicts of them); got {type(value).__name__}"
-    )
-
-
-def decode(value: Any) -> Any:
-    """The inverse of :func:`encode`."""
-    if type(value) is tuple and len(value) == 1 and type(value[0]) is str and value[0] == NONE[0]:
-        return None
-    if type(value) is tuple and len(value) == 2 and isinstance(value[0], str):
-        if value[0] == TYPE_TAG:
-            short = value[1]
-            return Shard(int(short[2:-1])) if short.startswith("S(") else _by_short_name(short)
-        if value[0] == SPEC_TAG:
-            return PartitionSpec(*decode(value[1]))
-        if value[0] == GROUP_TAG:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return _resolve_process_group(value[1])
-    if isinstance(value, (tuple, list)):
-        return type(value)(decode(v) for v in value)
-    if isinstance(value, dict):
-        return {decode(k): decode(v) for k, v in value.items()}
-    return value
