@@ -25,7 +25,7 @@ from .._checker.run_ops import _SWAP_BACK, _swap_for_plain_root, _swap_to_base
 from .._checker.tensor import _wrap
 from .._core.errors import SpmdTypeError
 from .._core.state import STATE
-from .graph_check import Checked, check_graph
+from .graph_check import Checked, check_graph, dynamo_fake_mode
 
 __all__ = ["CheckingBackend", "Runner", "compile_backend", "install", "CHECKS"]
 
@@ -40,19 +40,20 @@ class CheckingBackend:
         self.inner = inner
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        checked = _check(gm, example_inputs) if STATE.checking else None
+        mode = dynamo_fake_mode()
+        checked = _check(gm, example_inputs, mode) if STATE.checking else None
         swapped = _swap_to_base(tuple(example_inputs), {})  # the backend compiles the erased program
         try:
             compiled = self.inner(gm, example_inputs)
         finally:
             _restore(swapped)
         typed = tuple(i for i, x in enumerate(example_inputs) if type(x) in _SWAP_BACK)
-        return Runner(compiled, gm, typed, checked)
+        return Runner(compiled, gm, typed, checked, mode)
 
 
-def _check(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
+def _check(gm: torch.fx.GraphModule, example_inputs: list, mode: Any) -> Checked:
     try:
-        checked = check_graph(gm, example_inputs)
+        checked = check_graph(gm, example_inputs, mode)
     except SpmdTypeError as err:
         raise compile_time_error(err) from None
     CHECKS.append((getattr(gm, "_spmd_name", type(gm).__name__), checked.seconds))
@@ -63,9 +64,10 @@ class Runner:
     """The compiled graph as the program calls it: typed inputs in, typed outputs out."""
 
     def __init__(self, compiled: Callable[..., Any], gm: torch.fx.GraphModule, typed: tuple,
-                 checked: Checked | None) -> None:
+                 checked: Checked | None, mode: Any) -> None:
         self.compiled = compiled
         self.gm = gm
+        self.mode = mode  # dynamo's fake mode, for checking the graph again
         self.typed = typed  # positions of the inputs that were typed when the graph was traced
         self.checks: dict[tuple, Checked] = {}
         if checked is not None:
@@ -77,7 +79,7 @@ class Runner:
         key = tuple(_types_of(args[i]) for i in self.typed)
         checked = self.checks.get(key)
         if checked is None:  # types this graph was not checked for (or checking was off when it compiled)
-            checked = self.checks[key] = _check(self.gm, list(args))
+            checked = self.checks[key] = _check(self.gm, list(args), self.mode)
         out = self._run(args)
         for i, types, spec in checked.typed_inputs:
             _give(args[i], types, spec)
@@ -138,7 +140,10 @@ def compile_time_error(err: SpmdTypeError) -> SpmdTypeError:
         from torch._dynamo.exc import ShortenTraceback
 
         class SpmdCompileError(SpmdTypeError, ShortenTraceback):
-            """An SpmdTypeError found while checking a compiled graph (dynamo re-raises it as it is)."""
+            """An SpmdTypeError found while checking a compiled graph (dynamo re-raises it as it is).
+
+            ``traced_stack``: the user's frames of the op, outermost first (``path:line: code``).
+            """
 
             def __init__(self, rejection: Any, source: str | None) -> None:
                 SpmdTypeError.__init__(self, rejection, source)
@@ -154,7 +159,11 @@ def compile_time_error(err: SpmdTypeError) -> SpmdTypeError:
         SpmdCompileError.__module__ = "spmd_types"
         SpmdCompileError.__qualname__ = "SpmdCompileError"
         _ERROR_CLASS.append(SpmdCompileError)
-    return _ERROR_CLASS[0](err.rejection, err.source)
+    out = _ERROR_CLASS[0](err.rejection, err.source)
+    out.traced_stack = getattr(err, "traced_stack", ())
+    if out.traced_stack:  # an eager traceback would show these frames of the user's code
+        out.add_note("traced from (outermost first):\n" + "\n".join(f"  {f}" for f in out.traced_stack))
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -14,17 +14,20 @@ outputs, and the inputs a node typed in place (``assert_type`` on a graph input)
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from .._checker.run_ops import _TYPED_CLASSES
 from .._checker.tensor import _DisableTF, _wrap
-from .._core.errors import checking_at
+from .._core.errors import SpmdTypeError, checking_at
 from .._core.traced import CHECKED, REBINDS, decode_call, region_depth, unwind_regions
-from .sites import eager_method, user_site
+from .sites import eager_method, user_site, user_stack
 
 __all__ = ["Checked", "check_graph", "typed_twin", "types_of"]
 
@@ -66,18 +69,28 @@ def typed_twin(real: Any, mode: Any) -> Any:
     return twin
 
 
-def check_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
-    """Check ``gm`` (dynamo's graph) on typed twins of ``example_inputs`` (with checking on); raise as eager would."""
+def check_graph(gm: torch.fx.GraphModule, example_inputs: list, mode: Any = None) -> Checked:
+    """Check ``gm`` (dynamo's graph) on typed twins of ``example_inputs`` (with checking on); raise as eager would.
+
+    ``mode`` is dynamo's fake mode for this graph: a value the graph reads from a tensor (``.item()``,
+    ``.tolist()``: MoE token counts) is then dynamo's own symbol, with what dynamo learnt about it.
+    """
     start = time.process_time()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)  # a graph may close over real tensors (a mask's table)
-    twins = [typed_twin(x, mode) for x in example_inputs]
-    before = [types_of(t) for t in twins]
+    if mode is None:
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+    saved = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True  # a graph may close over real tensors (a mask's table)
     depth = region_depth()
-    # dynamo calls a compiled graph with subclass dispatch off: the checker needs it on
     try:
-        with _not_compiling(), torch._C._EnableTorchFunction():
+        twins = [typed_twin(x, mode) for x in example_inputs]
+        before = [types_of(t) for t in twins]
+        # dynamo calls a compiled graph with subclass dispatch off: the checker needs it on; a symbol the checker
+        # reads from data is its own (dynamo's shape env must not wait for it in the compiled graph)
+        fresh = mode.shape_env.ignore_fresh_unbacked_symbols() if mode.shape_env is not None else nullcontext()
+        with _not_compiling(), torch._C._EnableTorchFunction(), fresh:
             outputs = TypedInterpreter(gm, mode).run(*twins)
     finally:
+        mode.allow_non_fake_inputs = saved
         unwind_regions(depth)  # a region a graph break left open closes with its graph
     typed_inputs = tuple(
         (i, *types_of(t)) for i, t in enumerate(twins) if types_of(t) is not None and types_of(t) != before[i]
@@ -85,6 +98,26 @@ def check_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Checked:
     flat_out = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
     return Checked(tuple(before), tuple(types_of(o) for o in flat_out), typed_inputs,
                    time.process_time() - start)
+
+
+_ALIAS = torch.ops.aten.alias.default
+
+
+def dynamo_fake_mode() -> Any:
+    """The fake mode of the graph dynamo is compiling now, or None."""
+    context = torch._guards.TracingContext.try_get()
+    return None if context is None else context.fake_mode
+
+
+def _fresh(value: Any, mode: Any) -> Any:
+    """Dynamo's example value of a node, as a new fake tensor (the checker may retype it in place) or as it is."""
+    if isinstance(value, torch.Tensor):
+        with mode:
+            out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return out.requires_grad_(True) if value.requires_grad else out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fresh(v, mode) for v in value)
+    return value
 
 
 class _not_compiling:
@@ -107,8 +140,23 @@ class TypedInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.node = n
-        with checking_at(*user_site(n)):
-            return super().run_node(n)
+        try:
+            if n.op.startswith("call") and "example_value" in n.meta and not self._typed_inputs(n):
+                return _fresh(n.meta["example_value"], self.mode)  # no typed operand: nothing to check, as dynamo saw it
+            with checking_at(*user_site(n)):
+                return super().run_node(n)
+        except SpmdTypeError as err:
+            err.traced_stack = user_stack(n)  # the user's frames, outermost first, as the trace recorded them
+            raise
+
+    def _typed_inputs(self, n: torch.fx.Node) -> bool:
+        """Whether node ``n`` takes a typed value, or is an spmd call (which checks plain values too)."""
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "flat_apply_capture":
+            return True
+        found = []
+        torch.fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(self.env.get(a)))
+        return any(type(v) in _TYPED_CLASSES or (isinstance(v, (list, tuple)) and any(type(x) in _TYPED_CLASSES
+                                                                                     for x in v)) for v in found)
 
     def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return typed_twin(super().get_attr(target, args, kwargs), self.mode)
@@ -123,6 +171,8 @@ class TypedInterpreter(torch.fx.Interpreter):
                     return pytree.tree_flatten(result)[0]
                 self._rebind(args[2:], call_args[0], result)
                 return [0]
+        if target is _ALIAS and len(args) == 1 and type(args[0]) in _TYPED_CLASSES:
+            return args[0]  # LTensor's plain alias of an operand in the trace: the typed value itself
         return target(*args, **kwargs)
 
     def _rebind(self, flat_args: tuple, old: Any, new: Any) -> None:

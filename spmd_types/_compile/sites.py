@@ -20,7 +20,7 @@ import torch.fx
 
 from .._core.errors import is_user_file
 
-__all__ = ["user_site", "eager_method"]
+__all__ = ["user_site", "user_stack", "eager_method"]
 
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n(?P<rest>(?:    [^\n]*\n?)*)', re.M)
 
@@ -49,6 +49,19 @@ def user_site(n: torch.fx.Node) -> tuple[str | None, int]:
     """``(file, line)`` of the innermost user frame of node ``n``'s recorded stack, or ``(None, 0)``."""
     m = _user_frame(n)
     return (None, 0) if m is None else (m.group("file"), int(m.group("line")))
+
+
+def user_stack(n: torch.fx.Node) -> tuple[str, ...]:
+    """``path:line: code`` of every user frame of node ``n``'s recorded stack, outermost first.
+
+    What an eager traceback would show of the user's code (the compile error carries it as a note).
+    """
+    out = []
+    for m in _FRAME.finditer(n.meta.get("stack_trace") or ""):
+        if is_user_file(m.group("file")):
+            line = int(m.group("line"))
+            out.append(f"{m.group('file')}:{line}: {linecache.getline(m.group('file'), line).strip()}")
+    return tuple(out)
 
 
 def eager_method(n: torch.fx.Node, method: str) -> str:
