@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._boundaries.autograd_functions import run_eagerly_under_compile
 from .._checker.run_ops import _SWAP_BACK, _swap_for_plain_root, _swap_to_base
 from .._checker.tensor import _wrap
 from .._core.errors import SpmdTypeError
@@ -184,6 +185,7 @@ def install() -> None:
     _INSTALLING.busy = True
     try:
         _keep_functions_whole()
+        run_eagerly_under_compile()  # a registered autograd Function runs (checked) eagerly, between graphs
         from torch._dynamo.symbolic_convert import tls
 
         tx = getattr(tls, "current_tx", None)  # the frame dynamo is converting
@@ -196,8 +198,8 @@ def install() -> None:
         _INSTALLING.busy = False
 
 
-# torch functions written in Python that eager checks as one op (their own rule), which dynamo would inline
-# into the ops they call: kept as one graph node each, so that the checker meets the op eager meets.
+# Torch functions written in Python that eager checks as one op, by their own rule (F.rms_norm, F.pad): kept as
+# one graph node each (dynamo would trace into them), so that the checker meets the op eager meets.
 _WHOLE = ("rms_norm", "pad")
 _KEPT: list = []
 
