@@ -268,3 +268,40 @@ def test_global_spmd_compiles_with_partition_specs(mesh_dp_tp, fullgraph):
         with pytest.raises(spmd.SpmdTypeError) as eager:
             unclaimed_sum(x, w)
     assert compiled.value.plain == UNCLAIMED == eager.value.plain
+
+
+# ---------------------------------------------------------------------------
+# types read inside a compiled function
+
+
+def kernel_typed_like_its_input(q, k):
+    with spmd.no_typecheck():
+        out = (q * k).exp()  # a kernel the checker does not see into
+    spmd.assert_type(out, spmd.get_local_type(q), spmd.get_partition_spec(q))
+    return out
+
+
+def branching_on_a_type(x):
+    if spmd.get_local_type(x)["tp"] is P:
+        x = spmd.all_reduce(x, "tp", src=P, dst=R)
+    return x
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_type_read_in_a_trace_types_a_kernels_output(mesh, fullgraph):
+    with spmd.typecheck():
+        q = spmd.assert_type(torch.randn(4, 3), {"tp": V})
+        out = _compile(kernel_typed_like_its_input, fullgraph=fullgraph)(q, q)
+        assert spmd.get_type(out) == {"tp": V}
+        r = spmd.assert_type(torch.randn(4, 3), {"tp": R})
+        assert spmd.get_type(_compile(kernel_typed_like_its_input, fullgraph=fullgraph)(r, r)) == {"tp": R}
+
+
+def test_branching_on_a_type_in_a_trace_is_refused(mesh):
+    with spmd.typecheck():
+        p = spmd.assert_type(torch.randn(4, 3), {"tp": P})
+        with pytest.raises(torch._dynamo.exc.Unsupported) as err:  # dynamo's wrapper around the error raised
+            _compile(branching_on_a_type)(p)
+    assert ("spmd.get_local_type(x)[...]: a type read inside torch.compile is known only when the graph is checked, "
+            "after dynamo traced it: hand it to an spmd call (spmd.assert_type(y, spmd.get_local_type(x))), or read "
+            "it outside the compiled function") in str(err.value)

@@ -18,6 +18,7 @@ from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.traced import register_call, routed, traced_call, zero
+from .._core.traced_args import unknown_in_trace
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
@@ -408,6 +409,8 @@ def get_local_type(t: Any) -> dict[Any, SpmdType]:
 
         out_types = {**spmd.get_local_type(x), tp_group: spmd.S(1)}   # x's types, with tp changed
     """
+    if routed() and isinstance(t, torch.Tensor):  # read while dynamo traces: known when the graph is checked
+        return _typed_local_type(t)  # a reference (reading.get_local_type)
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_local_type(t)  # presented on the current mesh
     found = _remembered_types(t)
@@ -435,6 +438,8 @@ def _remembered_types(t: Any) -> TypeMap | Mapping | None:
 
 def has_local_type(t: Any) -> bool:
     """True when ``t`` carries an SPMD type (or was given one by ``assert_type`` outside ``typecheck()``)."""
+    if routed():
+        raise unknown_in_trace("spmd.has_local_type")
     return getattr(t, "_spmd_types", None) is not None or remembered(t) is not None
 
 

@@ -18,7 +18,7 @@ from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spaces import move_types, rehome
 from .._core.spec import to_partition_spec
 from .._core.traced import routed
-from .._core.traced_args import RESOLVERS, SpecRef, TypeRef
+from .._core.traced_args import RESOLVERS, SpecRef, TypeRef, unknown_in_trace
 from .._core.types import PartitionSpec, SpmdType, TypeMap, V
 
 __all__ = ["get_type", "get_partition_spec", "get_local_type", "has_local_type", "get_axis_local_type",
@@ -95,6 +95,8 @@ def maybe_get_axis_local_type(t: Any, axis: Axis) -> SpmdType | None:
         if spmd.maybe_get_axis_local_type(x, tp_group) is spmd.P:
             x = spmd.all_reduce(x, tp_group, src=spmd.P, dst=spmd.R)
     """
+    if routed():
+        raise unknown_in_trace("spmd.maybe_get_axis_local_type / get_axis_local_type")
     if getattr(t, "_spmd_types", None) is None:
         return None
     types, _ = present(t, "get_axis_local_type", strict=False)
@@ -137,6 +139,8 @@ def _shown_axis(axis: Axis) -> str:
 
 def has_local_type(t: Any) -> bool:
     """True when ``t`` carries an SPMD type."""
+    if routed():
+        raise unknown_in_trace("spmd.has_local_type")
     return getattr(t, "_spmd_types", None) is not None
 
 

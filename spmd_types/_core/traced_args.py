@@ -21,7 +21,7 @@ import torch
 from .axes import MeshAxis
 from .types import PartitionSpec, Shard, SpmdType, _by_short_name
 
-__all__ = ["encode", "decode", "TypeRef", "SpecRef", "SpecItem", "RESOLVERS"]
+__all__ = ["encode", "decode", "TypeRef", "SpecRef", "SpecItem", "RESOLVERS", "unknown_in_trace"]
 
 TYPE_TAG = "spmd_types.type"
 SPEC_TAG = "spmd_types.partition_spec"
@@ -38,12 +38,28 @@ RESOLVERS: dict[str, Callable[[Any], Any]] = {}
 _NO_SPEC = object()  # a spec entry of a value that has no partition spec: the spec built from it is None
 
 
+_UNKNOWN = (
+    "a type read inside torch.compile is known only when the graph is checked, after dynamo traced it: hand it "
+    "to an spmd call (spmd.assert_type(y, spmd.get_local_type(x))), or read it outside the compiled function"
+)
+
+
+def unknown_in_trace(what: str) -> NotImplementedError:
+    """The error for Python code that would branch on a type inside a compiled function."""
+    return NotImplementedError(f"{what}: {_UNKNOWN}")
+
+
 class TypeRef:
     """A type read while dynamo traces: ``kind`` ("local_type" or "type") of ``tensor``, resolved when checked."""
 
     def __init__(self, tensor: torch.Tensor, kind: str) -> None:
         self.tensor = tensor
         self.kind = kind
+
+    def _refuse(self, *args: Any) -> Any:
+        raise unknown_in_trace(f"spmd.get_{self.kind}(x)[...]")
+
+    __getitem__ = __iter__ = __len__ = __contains__ = keys = items = values = get = _refuse
 
 
 class SpecRef:
