@@ -72,6 +72,8 @@ _DIM = torch.Tensor.dim
 _VIEW_AS = torch.Tensor.view_as
 _REGISTER_HOOK = torch.Tensor.register_hook
 _PyFunction = types.FunctionType
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+_COMPILER = torch.compiler
 _ALIAS = torch.ops.aten.alias.default
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
@@ -107,7 +109,9 @@ class LTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if compiling():  # torch.compile traces the erased program; the graph is checked whole (spmd_types/_compile)
+        # torch.compile traces the erased program; the graph is checked whole (spmd_types/_compile). The flag is read
+        # only outside dynamo's trace (which would guard on it): what dynamo or a backend reads of a typed tensor.
+        if _dynamo_tracing() or _COMPILER._is_compiling_flag:
             return _traced_op(func, args, kwargs)
         if not STATE.checking:
             if func in _KEEP_UNCHECKED:
