@@ -305,3 +305,25 @@ def test_branching_on_a_type_in_a_trace_is_refused(mesh):
     assert ("spmd.get_local_type(x)[...]: a type read inside torch.compile is known only when the graph is checked, "
             "after dynamo traced it: hand it to an spmd call (spmd.assert_type(y, spmd.get_local_type(x))), or read "
             "it outside the compiled function") in str(err.value)
+
+
+def test_the_compile_pages_example_prints_the_real_message(tmp_path, monkeypatch):
+    """docs/compile.md's first example, saved as model.py and run, prints what the page shows."""
+    import contextlib
+    import io
+    import linecache
+    import re
+    import runpy
+
+    page = (HERE.parents[1] / "docs" / "compile.md").read_text()
+    (lang, code), (lang2, output) = re.findall(r"^```(\w*)\n(.*?)^```", page, flags=re.S | re.M)[:2]
+    assert (lang, lang2) == ("python", "text")
+    monkeypatch.setenv("SPMD_TYPES_ERRORS", "plain")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.py").write_text(code)
+    linecache.clearcache()
+    torch._dynamo.reset()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path("model.py", run_name="__main__")
+    assert printed.getvalue() == output
