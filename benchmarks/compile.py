@@ -114,6 +114,8 @@ def main() -> None:
             for v in order:
                 samples[v].append(measure(v))
 
+        hand_over = _hand_over(args)
+
     med = {v: statistics.median(s) for v, s in samples.items()}
     base = samples["compiled erased"]
     # paired: each round's ratio to the compiled erased step measured beside it, then the median of the rounds
@@ -124,10 +126,40 @@ def main() -> None:
     for v in VARIANTS:
         print(f"{v:<18}{med[v] * 1e3:>14.3f}{paired[v]:>28.3f}x")
     print()
+    print("the fixed cost per compiled graph call (a one-op graph: x * w, 3 typed inputs), us per call (CPU):")
+    for v, us in hand_over.items():
+        print(f"  {v:<16}{us:>8.1f}")
+    print()
     print(f"{'first call (compile)':<22}{'CPU s':>8}")
     print(f"{'  typed':<22}{compile_cpu['typed']:>8.2f}   of which checking {check_cpu * 1e3:.1f} ms "
           f"({len(CHECKS) - 0} graphs checked in this process)")
     print(f"{'  erased':<22}{compile_cpu['erased']:>8.2f}")
+
+
+def tiny(x, w, b):
+    return x * w + b
+
+
+def _hand_over(args) -> dict[str, float]:
+    """Median us per call of a compiled one-op graph, typed (checked) and erased: the runner's own cost."""
+    torch.manual_seed(0)
+    plain = [torch.randn(8, 8) for _ in range(3)]
+    with spmd.typecheck():
+        typed = [spmd.assert_type(t.clone(), {"tp": V}) for t in plain]
+    fn = torch.compile(tiny, backend=args.backend, fullgraph=True)
+    with spmd.typecheck():
+        fn(*typed)
+    fn(*plain)
+    n = 2000
+    out: dict[str, list[float]] = {"compiled typed": [], "compiled erased": []}
+    for _ in range(args.rounds):
+        for v, inputs, checking in (("compiled typed", typed, True), ("compiled erased", plain, False)):
+            with spmd.typecheck() if checking else _nothing():
+                begin = time.process_time()
+                for _ in range(n):
+                    fn(*inputs)
+                out[v].append((time.process_time() - begin) / n * 1e6)
+    return {v: statistics.median(s) for v, s in out.items()}
 
 
 class _nothing:

@@ -327,3 +327,19 @@ def test_the_compile_pages_example_prints_the_real_message(tmp_path, monkeypatch
     with contextlib.redirect_stdout(printed):
         runpy.run_path("model.py", run_name="__main__")
     assert printed.getvalue() == output
+
+
+@pytest.mark.parametrize("how", ["default", "spmd.compile_backend"])
+def test_inductor_compiles_the_checked_graph(mesh, how):
+    """torch.compile's default backend (inductor's CPU code) on the checked graph; the explicit backend alike."""
+    backend = spmd.compile_backend("inductor") if how == "spmd.compile_backend" else "inductor"
+    out, out_type, grad_types, grads = _step(_compile(tp_mlp, backend))
+    want, want_type, want_grad_types, want_grads = _step(tp_mlp)
+    assert (out_type, grad_types) == (want_type, want_grad_types) == ({"tp": I}, [{"tp": I}, {"tp": V}, {"tp": V}])
+    torch.testing.assert_close(out, want)
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp)
+    with spmd.typecheck():
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            _compile(tp_mlp_missing_convert, backend)(*_inputs())
+    assert err.value.plain == MISSING_CONVERT

@@ -24,7 +24,6 @@ from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unre
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import (
-    compiling,
     dynamo_tracing,
     is_transform_tensor,
     transform_error,

@@ -75,34 +75,40 @@ class Runner:
             self.checks[tuple(checked.inputs[i] for i in typed)] = checked
 
     def __call__(self, *args: Any) -> Any:
+        typed = self.typed
         if not STATE.checking:
-            return self._run(args)
-        key = tuple(_types_of(args[i]) for i in self.typed)
+            return self._run(args) if typed else self.compiled(*args)
+        key = tuple([_types_of(args[i]) for i in typed])
         checked = self.checks.get(key)
         if checked is None:  # types this graph was not checked for (or checking was off when it compiled)
             checked = self.checks[key] = _check(self.gm, list(args), self.mode)
-        out = self._run(args)
+        out = self._run(args) if typed else self.compiled(*args)
         for i, types, spec in checked.typed_inputs:
             _give(args[i], types, spec)
         flat = out if isinstance(out, (list, tuple)) else (out,)
+        grads = False
         for o, found in zip(flat, checked.outputs):
-            if found is not None and isinstance(o, torch.Tensor):
+            if found is not None:
                 _give(o, *found)
-        self._swap_in_backward(args, flat)
+                grads = grads or o.requires_grad
+        if grads and typed:
+            self._swap_in_backward(args, flat)
         return out
 
     def _run(self, args: tuple) -> Any:
-        swapped = _swap_to_base(args, {})
+        """The compiled code on the typed inputs as plain tensors (their classes swapped for the call)."""
+        swapped = [(args[i], type(args[i])) for i in self.typed]
+        for x, tp in swapped:
+            x.__class__ = _SWAP_BACK[tp]
         try:
             return self.compiled(*args)
         finally:
-            _restore(swapped)
+            for x, tp in swapped:
+                x.__class__ = tp
 
     def _swap_in_backward(self, args: tuple, outputs: Any) -> None:
         """The compiled backward may meet typed inputs it saved: it gets them plain, as the forward did."""
-        typed = [weakref.ref(args[i]) for i in self.typed if type(args[i]) in _SWAP_BACK]
-        if not typed:
-            return
+        typed = [weakref.ref(args[i]) for i in self.typed]
         seen = set()
         for o in outputs:
             node = o.grad_fn if isinstance(o, torch.Tensor) else None
@@ -117,8 +123,10 @@ def _types_of(t: Any) -> tuple | None:
 
 
 def _give(t: torch.Tensor, types: Any, spec: Any) -> None:
-    _wrap(t, types)
-    t._spmd_types = types
+    if type(t) in _SWAP_BACK:  # typed already (an input returned as it is): the checked type is its type now
+        t._spmd_types = types
+    else:
+        _wrap(t, types)
     if spec is not None:
         t._spmd_spec = spec
 
