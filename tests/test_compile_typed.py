@@ -343,3 +343,47 @@ def test_inductor_compiles_the_checked_graph(mesh, how):
         with pytest.raises(spmd.SpmdTypeError) as err:
             _compile(tp_mlp_missing_convert, backend)(*_inputs())
     assert err.value.plain == MISSING_CONVERT
+
+
+def test_a_recompile_for_new_shapes_is_checked_too(mesh):
+    """Dynamo recompiles a graph with dynamic sizes for a second shape; that graph is checked as it compiles."""
+    from spmd_types._compile.backend import CHECKS
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    fn = _compile(lambda a, b: (a * b).relu(), counter)
+    with spmd.typecheck():
+        before = len(CHECKS)
+        for rows in (4, 6, 8):
+            a = spmd.assert_type(torch.randn(rows, 3), {"tp": V})
+            b = spmd.assert_type(torch.randn(rows, 3), {"tp": R})
+            assert spmd.get_type(fn(a, b)) == {"tp": V}
+        assert counter.frame_count == 2 and len(CHECKS) - before == 2  # static, then one dynamic graph
+        p = spmd.assert_type(torch.randn(10, 3), {"tp": P})
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            fn(p, p)
+    assert err.value.rule == ("Partial * Partial: Tensor.__mul__ (*) is linear in each factor separately, not in both, "
+                              "so at most one factor may be a pending sum (P).")
+
+
+@spmd.local_map(in_types=[{"tp": S(1)}, {"tp": S(1)}], out_types={"tp": P})
+def row_parallel(h, w):
+    return spmd.reinterpret(F.linear(h, w), "tp", src=V, dst=P)
+
+
+def global_with_regions(h, w):
+    with spmd.local():
+        h = h * 2
+    return spmd.all_reduce(row_parallel(h, w), "tp", src=P, dst=R)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_global_spmd_regions_compile(mesh_dp_tp, fullgraph):
+    with spmd.set_current_mesh(mesh_dp_tp), spmd.typecheck(local=False):
+        h = spmd.assert_type(torch.randn(4, 8), {"tp": S(1)})
+        w = spmd.assert_type(torch.randn(6, 8), {"tp": S(1)})
+        want = global_with_regions(h, w)
+        got = _compile(global_with_regions, fullgraph=fullgraph)(h, w)
+        assert repr(got) == repr(want) == "f32[4,6] {dp: R, tp: R}"
+        with pytest.raises(spmd.SpmdTypeError) as err:
+            _compile(global_with_regions, fullgraph=fullgraph)(spmd.assert_type(torch.randn(4, 8), {}), w)
+    assert err.value.rule == "Type assertion failed: the tensor is R on axis 'tp', and the assertion says S(1)."
