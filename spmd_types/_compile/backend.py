@@ -30,6 +30,8 @@ from .graph_check import Checked, check_graph, dynamo_fake_mode
 
 __all__ = ["CheckingBackend", "Runner", "compile_backend", "install", "CHECKS"]
 
+_tf_enabled = torch._C._is_torch_function_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 # (graph name, seconds) of every check run in this process, for benchmarks and the docs' figures
 CHECKS: list[tuple[str, float]] = []
 
@@ -70,6 +72,7 @@ class Runner:
         self.gm = gm
         self.mode = mode  # dynamo's fake mode, for checking the graph again
         self.typed = typed  # positions of the inputs that were typed when the graph was traced
+        self.warm = False  # called once: AOTAutograd's first-call analysis has seen plain inputs
         self.checks: dict[tuple, Checked] = {}
         if checked is not None:
             self.checks[tuple(checked.inputs[i] for i in typed)] = checked
@@ -78,7 +81,7 @@ class Runner:
         typed = self.typed
         if not STATE.checking:
             return self._run(args) if typed else self.compiled(*args)
-        key = tuple([_types_of(args[i]) for i in typed])
+        key = tuple([(args[i]._spmd_types, getattr(args[i], "_spmd_spec", None)) for i in typed])
         checked = self.checks.get(key)
         if checked is None:  # types this graph was not checked for (or checking was off when it compiled)
             checked = self.checks[key] = _check(self.gm, list(args), self.mode)
@@ -96,7 +99,15 @@ class Runner:
         return out
 
     def _run(self, args: tuple) -> Any:
-        """The compiled code on the typed inputs as plain tensors (their classes swapped for the call)."""
+        """The compiled code on the typed inputs as plain tensors (their classes swapped for the call).
+
+        Dynamo calls a graph that met typed tensors with subclass dispatch off, so after the first call
+        (where AOTAutograd's dispatch mode inspects the inputs' classes) no swap is needed, unless a dispatch
+        mode is active to see the classes.
+        """
+        if self.warm and not _tf_enabled() and not _dispatch_modes():
+            return self.compiled(*args)
+        self.warm = True
         swapped = [(args[i], type(args[i])) for i in self.typed]
         for x, tp in swapped:
             x.__class__ = _SWAP_BACK[tp]
@@ -115,11 +126,6 @@ class Runner:
             if node is not None and id(node) not in seen:
                 seen.add(id(node))
                 node.register_prehook(functools.partial(_swap_for_plain_root, typed))
-
-
-def _types_of(t: Any) -> tuple | None:
-    types = getattr(t, "_spmd_types", None)
-    return None if types is None else (types, getattr(t, "_spmd_spec", None))
 
 
 def _give(t: torch.Tensor, types: Any, spec: Any) -> None:
