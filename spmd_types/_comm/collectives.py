@@ -116,7 +116,7 @@ def all_reduce(
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
-    if routed():  # torch.compile traces: one graph node (see _checker/traced.py)
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
         return traced_call("all_reduce", x, axis, src=src, dst=dst, op=op, inplace=inplace, op_dtype=op_dtype,
                            out_dtype=out_dtype, backward_options=backward_options)
     if inplace:
@@ -531,7 +531,7 @@ def redistribute(
         y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
         z = spmd.redistribute(x, spmd.PartitionSpec(("dp", "tp")), spmd.PartitionSpec(("tp", "dp")))
     """
-    if routed():  # torch.compile traces: one graph node (see _checker/traced.py)
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
         return traced_call("redistribute", x, axis, dst_spec, src=src, dst=dst, sizes=sizes, src_partial=src_partial,
                            dst_partial=dst_partial, op_dtype=op_dtype, out_dtype=out_dtype,
                            backward_options=backward_options)

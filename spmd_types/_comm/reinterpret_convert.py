@@ -50,7 +50,7 @@ def reinterpret(
     hit = erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
-    if routed():  # torch.compile traces: one graph node (see _checker/traced.py)
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
         return traced_call("reinterpret", x, axis, src=src, dst=dst, op_dtype=op_dtype, out_dtype=out_dtype,
                            backward_options=backward_options)
     if is_dtensor(x):

@@ -5,7 +5,7 @@ becomes one call of a ``nonstrict_trace`` function: dynamo records one node hold
 arguments as constants and does not trace its body; AOTAutograd then traces the body, which is the erased
 call (its autograd Function, the functional collectives of its forward and, through the Function, of its
 backward). The checker (``spmd_types/_compile``) finds the node, decodes the arguments and runs the same
-call, typed, on typed meta values: the eager code path, so the same rules and messages.
+call, typed, on typed fake values: the eager code path, so the same rules and messages.
 
 Arguments travel as graph constants (``traced_args.py``). Regions (``local_map``, ``spmd.local()``,
 ``no_typecheck``) become an enter node and an exit node; the checker keeps their state between the two

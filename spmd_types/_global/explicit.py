@@ -38,7 +38,7 @@ def _axes(out_partial_axes: PartialAxes) -> frozenset[str]:
 def _with_partial(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, out_partial_axes: PartialAxes) -> Any:
     if not STATE.checking:
         return fn(*args, **kwargs)
-    if routed():  # torch.compile traces: one graph node (see _guards/traced.py)
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
         return traced_call(f"spmd.{name}", *args, **kwargs, out_partial_axes=out_partial_axes)
     axes = _axes(out_partial_axes)
     saved = STATE.out_partial
