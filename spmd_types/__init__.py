@@ -44,6 +44,7 @@ from ._comm.collectives import all_gather, all_reduce, all_to_all, redistribute,
 from ._comm.redistribute_spec import plan_redistribute
 from ._comm.reinterpret_convert import convert, reinterpret
 from ._comm.reinterpret_mesh import reinterpret_mesh
+from ._compile.backend import compile_backend
 from ._core.axes import MeshAxis
 from ._core.errors import SpmdTypeError
 from ._core.mesh import current_mesh_all_names, current_mesh_names, set_current_mesh
@@ -99,7 +100,7 @@ __all__ = [
     "attach_boundary", "is_checking", "RuleKind", "get_partition_spec",
     "reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute",
     "sum", "linear", "matmul", "einsum", "local_map", "plan_redistribute",
-    "register_ddp",
+    "register_ddp", "compile_backend",
     "axis_index", "Scalar", "no_typecheck", "check_state_dict", "load_state_dict",
     "register_autograd_function", "unregister_autograd_function",
     # the published spmd_types API (torchtitan's), beside our own names

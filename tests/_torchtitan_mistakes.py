@@ -173,13 +173,13 @@ def torchtitan_frames(exc: BaseException) -> list[str]:
             if marker in f.filename]
 
 
-def plant(m: Mistake) -> BaseException:
+def plant(m: Mistake, compile_backend: str | None = None) -> BaseException:
     """Run the mistake's case on the fake group with checking on; returns the exception it raised.
 
-    Raises ``AssertionError`` if the step ran through.
+    Raises ``AssertionError`` if the step ran through. ``compile_backend``: torchtitan's per-block compile.
     """
     try:
-        run(case(m.case), "fake", mistake=m.plant)
+        run(case(m.case), "fake", mistake=m.plant, compile_backend=compile_backend)
     except Exception as exc:  # the caller checks the kind: this returns whatever was raised
         return exc
     raise AssertionError(f"planted mistake {m.name!r} ran through: no error")

@@ -208,7 +208,22 @@ def fsdp_skipped() -> Iterator[None]:
 def cpu_grouped_mm(self: Any, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``GroupedExperts._grouped_mm`` in float32: CPU ``_grouped_mm`` in bfloat16 wants 16-byte strides, and
     gpt_oss would add its bfloat16 expert output to the float32 activations FSDP's bf16 policy does not cast here."""
+    if torch.compiler.is_compiling():  # the fake kernel of _grouped_mm takes bfloat16 only: the same sum, dense
+        return dense_grouped_mm(A.float(), B_t.float(), offs)
     return torch._grouped_mm(A.float(), B_t.float(), offs=offs)
+
+
+def dense_grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``_grouped_mm(A, B_t, offs)`` without data-dependent shapes: every group's product, each row keeping its own.
+
+    Rows ``offs[g-1] <= i < offs[g]`` belong to group ``g``; rows past the last offset are zeros.
+    """
+    rows = torch.arange(A.shape[0], device=A.device)
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    member = (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])  # [groups, rows]
+    every = torch.einsum("rk,gkn->grn", A, B_t)
+    return (every * member[..., None].to(A.dtype)).sum(0)
 
 
 def skip_fsdp(model: torch.nn.Module, dp_mesh: Any, **kwargs: Any) -> None:

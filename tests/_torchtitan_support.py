@@ -102,8 +102,12 @@ def case(name: str) -> Case:
     raise KeyError(f"no case {name!r}; cases: {[c.name for c in CASES]}")
 
 
-def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
-    """The ``Trainer.Config`` of case ``c``: spmd_types backend, checking on or off, tiny batch."""
+def trainer_config(c: Case, *, checking: bool, world: int | None = None, compile_backend: str | None = None) -> Any:
+    """The ``Trainer.Config`` of case ``c``: spmd_types backend, checking on or off, tiny batch.
+
+    ``compile_backend`` turns on torchtitan's own per-block compile (``--compile.enable``, the model only)
+    with that backend (``"aot_eager"`` on CPU).
+    """
     load()
     cfg = registry_config(c.model)
     world = c.world if world is None else world
@@ -118,7 +122,10 @@ def trainer_config(c: Case, *, checking: bool, world: int | None = None) -> Any:
     cfg.debug.spmd_typechecking = checking
     # what torchtitan's own spmd_types test recipes do when checking is on
     cfg.activation_checkpoint = None
-    cfg.compile.enable = False
+    cfg.compile.enable = compile_backend is not None
+    if compile_backend is not None:
+        cfg.compile.backend = compile_backend
+        cfg.compile.components = ["model"]
     cfg.loss.num_chunks = 2  # the chunked loss's per-chunk backward, twice rather than eight times
     t = cfg.training
     t.seq_len, t.local_batch_size = c.seq_len, LOCAL_BATCH
@@ -137,7 +144,7 @@ class Built:
     loss_fn: Any
 
 
-def build(c: Case, *, checking: bool, world: int, simulated: bool = False) -> Built:
+def build(c: Case, *, checking: bool, world: int, simulated: bool = False, compile_backend: str | None = None) -> Built:
     """Build, parallelize and initialize case ``c`` on ``world`` ranks (the process group must exist).
 
     The trainer's steps (``Trainer.__init__``), on CPU instead of meta: a
@@ -155,7 +162,9 @@ def build(c: Case, *, checking: bool, world: int, simulated: bool = False) -> Bu
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.spmd_types import set_current_spmd_mesh
 
-    cfg = trainer_config(c, checking=checking, world=world)
+    cfg = trainer_config(c, checking=checking, world=world, compile_backend=compile_backend)
+    if compile_backend is not None:
+        torch._dynamo.reset()  # a fresh model's blocks compile afresh (dynamo's recompile limit is per code object)
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
     spec = cfg.model_spec
@@ -371,7 +380,8 @@ def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
 
 
 def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], ContextManager] | None = None,
-        one_device: bool = False, inspect: Callable[[Built], None] | None = None) -> Step:
+        one_device: bool = False, inspect: Callable[[Built], None] | None = None,
+        compile_backend: str | None = None) -> Step:
     """One training step of case ``c`` on ``c.world`` ranks in ``env`` ("fake" or "local").
 
     ``mistake`` (a context manager factory, see ``_torchtitan_mistakes``) is entered
@@ -379,11 +389,13 @@ def run(c: Case, env: str, *, checking: bool = True, mistake: Callable[[], Conte
     change. ``one_device`` (simulated ranks only) also reassembles weights,
     gradients and loss into their one-device values (the ``global_*`` fields).
     ``inspect`` is called with the built model before the step.
+    ``compile_backend``: torchtitan's per-block compile, with that backend.
     """
     if one_device and env != "local":
         raise ValueError("one_device needs the simulated ranks (env='local')")
     with environment(env, c.world), (mistake() if mistake is not None else contextlib.nullcontext()):
-        b = build(c, checking=checking, world=c.world, simulated=env == "local")
+        b = build(c, checking=checking, world=c.world, simulated=env == "local",
+                  compile_backend=compile_backend)
         if inspect is not None:
             inspect(b)
         loss = train_step(b, env, c.dp * LOCAL_BATCH)

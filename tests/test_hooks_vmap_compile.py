@@ -1,9 +1,9 @@
-"""Module hooks, torch.vmap and torch.compile meeting typed tensors (issue 11, item 4).
+"""Module hooks, torch.vmap and torch.compile meeting typed tensors (issue 11, item 4; issue 23).
 
-Hooks are ordinary code: what they do to typed tensors is checked. vmap and
-compile cannot carry types, so each refuses typed tensors with one clear
-error whose fix (``spmd.no_typecheck`` around vmap, compiling the erased
-program) is tested too.
+Hooks are ordinary code: what they do to typed tensors is checked. vmap cannot
+carry types, so it refuses typed tensors with one clear error whose fix
+(``spmd.no_typecheck`` around vmap) is tested too. torch.compile checks the
+graphs it compiles (tests/test_compile_typed.py has the rest).
 """
 
 from __future__ import annotations
@@ -138,16 +138,6 @@ def test_vmap_on_plain_tensors_inside_typecheck_is_untouched(mesh):
 # ---------------------------------------------------------------------------
 # torch.compile
 
-COMPILE_RULE = (
-    "torch.compile cannot trace typed tensors: the checker runs in Python beside each op and is not traced, "
-    "so a compiled typed program would be either refused by dynamo or run unchecked."
-)
-COMPILE_FIX = (
-    "check the program eagerly inside spmd.typecheck(), then compile the erased program: the same code on "
-    "plain tensors, outside spmd.typecheck() (every spmd call compiles as its collective)",
-)
-
-
 def _compile(fn, backend, fullgraph=True):
     torch._dynamo.reset()
     return torch.compile(fn, backend=backend, fullgraph=fullgraph)
@@ -162,23 +152,16 @@ IV_RULE = (
 @pytest.mark.parametrize("fullgraph", [True, False])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compile_of_typed_inputs(mesh, backend, fullgraph):
-    """fullgraph=True: the one clear error. Otherwise dynamo falls back to eager, and the code runs checked."""
+    """Issue 23: typed inputs compile, checked when the graph compiles; an ill-typed program never runs."""
     with spmd.typecheck():
         x = spmd.assert_type(torch.randn(3, 4), {"tp": V})
         i = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
-        if fullgraph:
-            with pytest.raises(spmd.SpmdTypeError) as err:
-                _compile(lambda a, b: a * b, backend, fullgraph)(x, x)  # well typed
-            assert err.value.rule == COMPILE_RULE
-            assert err.value.seen == (("tensor", "f32[3,4] {tp: V}"),)
-            assert err.value.fixes == COMPILE_FIX
-        else:
-            out = _compile(lambda a, b: a * b, backend, fullgraph)(x, x)
-            assert spmd.get_type(out) == {"tp": V}
-            torch.testing.assert_close(out, (x * x).detach())
+        out = _compile(lambda a, b: a * b, backend, fullgraph)(x, x)  # well typed
+        assert spmd.get_type(out) == {"tp": V}
+        torch.testing.assert_close(out, (x * x).detach())
         with pytest.raises(spmd.SpmdTypeError) as err:
             _compile(lambda a, b: a + b, backend, fullgraph)(x, i)  # an I + V bug: never run unchecked
-        assert err.value.rule == (COMPILE_RULE if fullgraph else IV_RULE)
+        assert err.value.rule == IV_RULE
 
 
 def _tp_mlp(x, w1, w2):
@@ -213,15 +196,10 @@ def _run_mlp(m, name, fn):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("name", ["tp", "sp"])
 def test_compile_of_a_typed_mlp(mesh, name, backend, fullgraph):
-    """Issue 14 item 1: the package's own Functions (Convert, Reinterpret, the collectives) never trip the
-    unregistered-Function guard while dynamo converts frames; without fullgraph the step runs checked, eagerly."""
+    """Compiled on simulated ranks, the step's values and gradients are eager's (issue 23; issue 14 item 1: the
+    package's own Functions never trip the unregistered-Function guard while dynamo converts frames)."""
     program = _MLPS[name][0]
     want_type, want = _run_mlp(mesh, name, program)
-    if fullgraph:
-        with pytest.raises(spmd.SpmdTypeError) as err:
-            _run_mlp(mesh, name, _compile(program, backend, fullgraph))
-        assert err.value.rule == COMPILE_RULE
-        return
     got_type, got = _run_mlp(mesh, name, _compile(program, backend, fullgraph))
     assert got_type == want_type
     for g, w in zip(got, want):
@@ -246,30 +224,23 @@ def test_erased_program_compiles_whole_after_a_typed_call(mesh):
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
-def test_compile_refuses_typing_inside_the_compiled_function(mesh, fullgraph):
+def test_typing_inside_the_compiled_function(mesh, fullgraph):
+    """assert_type inside a compiled function types its tensor, as in eager (checked when it compiles)."""
     with spmd.typecheck():
         fn = _compile(lambda a: spmd.assert_type(a, {"tp": V}) * 2, "eager", fullgraph)
-        with pytest.raises(spmd.SpmdTypeError) as err:
-            fn(torch.randn(3))
-    assert err.value.rule == COMPILE_RULE
-    assert err.value.seen == (("tensor", "a tensor given its type inside the compiled function (spmd.assert_type)"),)
+        out = fn(torch.randn(3))
+    assert spmd.get_type(out) == {"tp": V}
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_compile_of_a_module_with_typed_parameters_outside_typecheck(mesh, fullgraph):
-    """Outside typecheck() nothing is checked (choice 4); a typed parameter still cannot be traced."""
+    """Outside typecheck() nothing is checked (choice 4): the module compiles and gives a plain result."""
     with spmd.typecheck():
         lin = _linear({"tp": R})
     x = torch.randn(2, 4)
-    if fullgraph:
-        with pytest.raises(spmd.SpmdTypeError) as err:
-            _compile(lin, "aot_eager", fullgraph)(x)
-        assert err.value.rule == COMPILE_RULE
-        assert err.value.seen == (("tensor", "f32[4,4] {tp: R}"),)
-    else:  # dynamo's eager fallback: the erased module's plain result
-        out = _compile(lin, "aot_eager", fullgraph)(x)
-        assert spmd.get_type(out) is None
-        torch.testing.assert_close(out, x @ lin.weight.detach().T)
+    out = _compile(lin, "aot_eager", fullgraph)(x)
+    assert spmd.get_type(out) is None
+    torch.testing.assert_close(out, x @ lin.weight.detach().T)
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])

@@ -2,7 +2,7 @@
 
 Bottom to top (CONTRIBUTING.md has the map):
 
-    _torch < _core < _local < _global < _guards < _checker < _comm < _boundaries < integrations < public modules
+    _torch < _core < _local < _global < _guards < _checker < _comm < _boundaries < _compile < integrations < public modules
 
 Within a room, modules may import each other, with no cycles anywhere.
 """
@@ -11,7 +11,8 @@ import ast
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "spmd_types"
-ROOMS = ["_torch", "_core", "_local", "_global", "_guards", "_checker", "_comm", "_boundaries", "integrations"]
+ROOMS = ["_torch", "_core", "_local", "_global", "_guards", "_checker", "_comm", "_boundaries", "_compile",
+         "integrations"]
 PUBLIC = {"__init__", "megatron", "testing", "types", "runtime", "checker",
           "_mesh_axis"}  # a private path of the published package that torch 2.14 imports
 # The core's one door upwards: a DTensor met by a core op is handed to the DTensor integration, loaded lazily

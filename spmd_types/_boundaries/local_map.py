@@ -21,6 +21,7 @@ from .._checker.declarations import check_positional
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.mesh import Axis, require_mesh, resolve_axes
 from .._core.state import STATE
+from .._core.traced import pop_region, push_region, register_call, routed, traced_call, zero
 from .._core.types import PartitionSpec, SpmdType
 
 __all__ = ["local_map", "local", "Infer"]
@@ -71,6 +72,8 @@ def local_map(
     _check_declarations(in_types, out_types)
 
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        name = f.__qualname__  # read here: dynamo cannot read a function's __qualname__ in a trace
+
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not STATE.checking:  # erased: fn as it is (DTensors included, as torchtitan's DTensor backends run it)
@@ -79,12 +82,14 @@ def local_map(
                 if in_types is Infer:
                     raise NotImplementedError("local_map on DTensor arguments needs in_types (Infer is not built "
                                               "for DTensors): declare one per positional argument")
-                check_positional(f"local_map({f.__qualname__})", args, in_types)
+                check_positional(f"local_map({name})", args, in_types)
                 return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
+            inner = None if axes is None else [a for ax in axes for a in resolve_axes(ax)]
+            if routed():  # torch.compile traces: the region's edges become graph nodes
+                return _traced_region(f, name, args, kwargs, in_types, out_types, inner)
             mesh = require_mesh("local_map")
             if in_types is not Infer:
                 args = _enter(f.__qualname__, args, in_types)
-            inner = None if axes is None else [a for ax in axes for a in resolve_axes(ax)]
             with _local_on(mesh, inner):
                 out = f(*args, **kwargs)
             return type_declared_outputs("local_map", f.__qualname__, out, out_types)
@@ -110,6 +115,13 @@ def local() -> Iterator[None]:
     if not STATE.checking:
         yield
         return
+    if routed():  # torch.compile traces: the block's edges become graph nodes
+        traced_call("spmd.local.enter")
+        try:
+            yield
+        finally:
+            traced_call("spmd.local.exit")
+        return
     with _local_on(require_mesh("spmd.local"), None):
         yield
 
@@ -124,6 +136,51 @@ def _local_on(mesh: Any, names: list[str] | None) -> Iterator[None]:
         yield
     finally:
         STATE.global_mode, STATE.local_axes = saved
+
+
+# ---------------------------------------------------------------------------
+# under torch.compile: an enter node and an exit node; the checker keeps the region open between them
+
+
+def _traced_region(f: Callable[..., Any], name: str, args: tuple, kwargs: dict, in_types: Any, out_types: Any,
+                   inner: list[str] | None) -> Any:
+    if in_types is Infer:
+        traced_call("local_map.enter", [], "Infer", inner, name)
+    else:
+        offset = check_positional(f"local_map({name})", args, in_types)
+        traced_call("local_map.enter", list(args[offset:]), in_types, inner, name)
+    out = f(*args, **kwargs)
+    traced_call("local_map.exit", out, out_types, name)
+    return out
+
+
+def _enter_checked(args: list, in_types: Any, inner: list[str] | None, name: str) -> int:
+    mesh = require_mesh("local_map")
+    if in_types != "Infer":
+        _enter(name, tuple(args), in_types)
+    push_region(_local_on(mesh, inner))
+    return 0
+
+
+def _exit_checked(out: Any, out_types: Any, name: str) -> Any:
+    pop_region()
+    return type_declared_outputs("local_map", name, out, out_types)
+
+
+def _local_enter_checked() -> int:
+    push_region(_local_on(require_mesh("spmd.local"), None))
+    return 0
+
+
+def _local_exit_checked() -> int:
+    pop_region()
+    return 0
+
+
+register_call("local_map.enter", _enter_checked, zero)
+register_call("local_map.exit", _exit_checked, zero, rebinds=True)
+register_call("spmd.local.enter", _local_enter_checked, zero)
+register_call("spmd.local.exit", _local_exit_checked, zero)
 
 
 def _enter(name: str, args: tuple, in_types: Sequence[Any]) -> tuple:

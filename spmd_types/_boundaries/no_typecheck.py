@@ -18,6 +18,7 @@ from .._checker.boundaries import type_declared_outputs
 from .._checker.latent import apply_remembered
 from .._core.mesh import Axis
 from .._core.state import STATE
+from .._core.traced import pop_region, push_region, register_call, routed, traced_call, zero
 from .._core.types import SpmdType
 
 __all__ = ["no_typecheck"]
@@ -67,21 +68,38 @@ class _Region:
                 "the function (@spmd.no_typecheck(in_types=..., out_types=...)), or use a bare "
                 "`with spmd.no_typecheck():` and assert_type its results"
             )
+        if STATE.checking and routed():  # torch.compile traces: the block's edges become graph nodes
+            self._saved.append(None)
+            traced_call("no_typecheck.enter", [], NONE_DECLARED, "block")
+            return
         self._saved.append(STATE.checking)
         STATE.checking = False
 
     def __exit__(self, *exc: Any) -> None:
-        STATE.checking = self._saved.pop()
+        saved = self._saved.pop()
+        if saved is None:
+            traced_call("no_typecheck.exit", [], NONE_DECLARED, "block")
+            return
+        STATE.checking = saved
         if STATE.checking and exc[0] is None:
             apply_remembered(assert_type)  # what assert_type was told inside the block
 
     def __call__(self, f: Callable[..., Any]) -> Callable[..., Any]:
         in_types, out_types = self.in_types, self.out_types
+        name = f.__qualname__  # read here: dynamo cannot read a function's __qualname__ in a trace
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not STATE.checking:
                 return f(*args, **kwargs)
+            if routed():  # torch.compile traces: the function's edges become graph nodes
+                offset = len(args) - (0 if in_types is None else len(in_types))
+                traced_call("no_typecheck.enter", list(args[max(offset, 0):]) if in_types is not None else [],
+                            NONE_DECLARED if in_types is None else in_types, name)
+                out = f(*args, **kwargs)
+                traced_call("no_typecheck.exit", out if out_types is not None else [],
+                            NONE_DECLARED if out_types is None else out_types, name)
+                return out
             if in_types is not None:
                 offset = len(args) - len(in_types)
                 if offset < 0:
@@ -103,3 +121,43 @@ class _Region:
 
 def _type_outputs(name: str, out: Any, out_types: Any) -> Any:
     return type_declared_outputs("spmd.no_typecheck", name, out, out_types)
+
+
+# ---------------------------------------------------------------------------
+# under torch.compile: an enter node and an exit node; the checker runs the body unchecked between them
+
+NONE_DECLARED = "none declared"
+
+
+def _enter_checked(args: list, in_types: Any, name: str) -> int:
+    if in_types != NONE_DECLARED:
+        offset = len(args) - len(in_types)
+        if offset < 0:
+            raise TypeError(f"spmd.no_typecheck({name}): {len(in_types)} in_types for {len(args)} arguments")
+        for a, spec in zip(args[offset:], in_types):
+            if spec is not None:
+                assert_type(a, spec)
+    push_region(_Unchecked())
+    return 0
+
+
+def _exit_checked(out: Any, out_types: Any, name: str) -> Any:
+    pop_region()
+    return out if out_types == NONE_DECLARED else _type_outputs(name, out, out_types)
+
+
+class _Unchecked:
+    """The checker inside a no_typecheck region: checking off, and what assert_type was told applied at its end."""
+
+    def __enter__(self) -> None:
+        self.saved = STATE.checking
+        STATE.checking = False
+
+    def __exit__(self, *exc: Any) -> None:
+        STATE.checking = self.saved
+        if STATE.checking:
+            apply_remembered(assert_type)
+
+
+register_call("no_typecheck.enter", _enter_checked, zero)
+register_call("no_typecheck.exit", _exit_checked, zero, rebinds=True)

@@ -18,10 +18,11 @@ from .._core.errors import Rejection, op_error
 from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
+from .._core.traced import compiling, register_call, routed, traced_call, zero
+from .._core.traced_args import unknown_in_trace
 from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
-from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
 from . import latent
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
@@ -125,7 +126,6 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
     finally:
         WATCHED.outputs = []
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
-        forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
 
 
 def _strictness(strict_mode: str | None, strict: bool | None) -> bool | None:
@@ -263,16 +263,19 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
     if not STATE.checking:  # erased: recorded for a later typecheck(), t stays plain (latent.py)
-        if type(t) in _PLAIN:  # latent.remember's common case, inline: an erased call is one Python frame
+        if type(t) in _PLAIN and not compiling():  # latent.remember's common case, inline: one Python frame
             stack = _MESHES.stack
             RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
                               None if C10D_WORLD is None else C10D_WORLD._default_pg)
             if len(RECORDS) >= latent.prune_at:
                 latent.prune()
             return t
+        if routed():
+            return t  # the erased program traced by torch.compile: nothing to remember in a graph
         return remember(t, types, partition_spec)
-    if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
-        refuse_compile()
+    if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
+        traced_call("assert_type", t, types, partition_spec)
+        return t
     if type(t) in _TYPED_CLASSES and type(types) is dict:  # the common re-assertion (a parameter every step)
         old = t._spmd_types
         out = _refine(t, types, partition_spec)
@@ -308,6 +311,8 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     if STATE.tracing:
         log_op("assert_type", [old], out)
     return out  # type: ignore[return-value]
+
+
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -454,6 +459,8 @@ def get_local_type(t: Any) -> dict[Any, SpmdType]:
 
         out_types = {**spmd.get_local_type(x), spmd.MeshAxis.of(tp_group): spmd.S(1)}  # x's types, tp changed
     """
+    if routed() and isinstance(t, torch.Tensor):  # read while dynamo traces: known when the graph is checked
+        return _typed_local_type(t)  # a reference (reading.get_local_type)
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_local_type(t)  # presented on the current mesh
     found = _remembered_types(t)
@@ -536,6 +543,8 @@ def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None, dict] | Mapping | N
 
 def has_local_type(t: Any) -> bool:
     """True when ``t`` carries an SPMD type (or was given one by ``assert_type`` outside ``typecheck()``)."""
+    if routed():
+        raise unknown_in_trace("spmd.has_local_type")
     return getattr(t, "_spmd_types", None) is not None or remembered(t) is not None
 
 
@@ -585,3 +594,6 @@ def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | N
             "assert_type",
             ("x", "types"),
         )
+
+
+register_call("assert_type", assert_type, zero)

@@ -20,6 +20,7 @@ import torch
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh, resolve_axes
 from .._core.state import STATE
+from .._core.traced import register_call, routed, traced_call, zero
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
 from .._local.transitions import backward_of, find
 from .reading import rehome_here
@@ -43,6 +44,9 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
         spmd.mutate_type(counts, "tp", src=spmd.P, dst=spmd.V)
     """
     if not STATE.checking:
+        return tensor
+    if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
+        traced_call("mutate_type", tensor, axis, src=src, dst=dst)
         return tensor
     types = getattr(tensor, "_spmd_types", None)
     if types is None:
@@ -134,3 +138,6 @@ def _gradient_safe(have: SpmdType | None, dst: SpmdType) -> bool:
     if find("reinterpret", s, d) is None:
         return False
     return backward_of("reinterpret", s, d)[0] == "reinterpret"
+
+
+register_call("mutate_type", mutate_type, zero)

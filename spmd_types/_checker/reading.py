@@ -17,6 +17,8 @@ from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import Axis, current_mesh, resolve_axes
 from .._core.spaces import move_types, rehome
 from .._core.spec import to_partition_spec
+from .._core.traced import routed
+from .._core.traced_args import RESOLVERS, SpecRef, TypeRef, unknown_in_trace
 from .._core.types import PartitionSpec, SpmdType, TypeMap, V
 
 __all__ = ["get_type", "get_partition_spec", "get_local_type", "has_local_type", "get_axis_local_type",
@@ -76,6 +78,8 @@ def get_local_type(t: Any) -> dict[Any, SpmdType]:
 
         spmd.get_local_type(x)   # {dp: V, tp: R}, keys MeshAxis objects
     """
+    if routed() and isinstance(t, torch.Tensor):  # read while dynamo traces: known when the graph is checked
+        return TypeRef(t, "local_type")  # type: ignore[return-value]
     if getattr(t, "_spmd_types", None) is None:
         return {}
     types, _ = present(t, "get_local_type", strict=False)
@@ -103,6 +107,8 @@ def maybe_get_axis_local_type(t: Any, axis: Axis) -> SpmdType | None:
         if spmd.maybe_get_axis_local_type(x, tp_group) is spmd.P:
             x = spmd.all_reduce(x, tp_group, src=spmd.P, dst=spmd.R)
     """
+    if routed():
+        raise unknown_in_trace("spmd.maybe_get_axis_local_type / get_axis_local_type")
     if getattr(t, "_spmd_types", None) is None:
         return None
     types, _ = present(t, "get_axis_local_type", strict=False)
@@ -145,6 +151,8 @@ def _shown_axis(axis: Axis) -> str:
 
 def has_local_type(t: Any) -> bool:
     """True when ``t`` carries an SPMD type."""
+    if routed():
+        raise unknown_in_trace("spmd.has_local_type")
     return getattr(t, "_spmd_types", None) is not None
 
 
@@ -161,6 +169,8 @@ def get_partition_spec(t: Any) -> PartitionSpec | None:
             x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
             spmd.get_partition_spec(x)   # PartitionSpec(tp, None)
     """
+    if routed() and isinstance(t, torch.Tensor):  # read while dynamo traces: known when the graph is checked
+        return SpecRef(t, t.dim())  # type: ignore[return-value]
     spec = getattr(t, "_spmd_spec", None) if isinstance(t, torch.Tensor) else None
     if spec is None:
         return None
@@ -178,5 +188,10 @@ def get_type(t: Any) -> dict[str, SpmdType] | None:
 
         spmd.get_type(x)   # {'dp': V, 'tp': R}
     """
+    if routed() and isinstance(t, torch.Tensor):  # read while dynamo traces: known when the graph is checked
+        return TypeRef(t, "type")  # type: ignore[return-value]
     types = getattr(t, "_spmd_types", None) if isinstance(t, torch.Tensor) else None
     return types.as_dict() if types is not None else None
+
+
+RESOLVERS.update({"local_type": get_local_type, "type": get_type, "spec": get_partition_spec})

@@ -9,6 +9,7 @@ and types in place. LTensor never knows about collectives.
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
@@ -22,7 +23,13 @@ from .._core.types import I, R, TypeMap, V
 from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unregistered_function, watch_apply_output
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
-from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
+from .._guards.transforms import (
+    dynamo_tracing,
+    is_transform_tensor,
+    transform_error,
+    typed_tensor_traced,
+    vmap_setup_caller,
+)
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import infer
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
@@ -39,6 +46,8 @@ from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other
     _swap_to_base,
 )
 from .trace import log_op
+from .typed_classes import register_bases
+from .typed_classes import typed_class_for as _typed_class_for
 from .zero_buffers import into_zeros, known_into_zeros, remember, storage_shared
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
@@ -62,6 +71,10 @@ _TRANSFORMED = object()  # a torch.func transform's wrapped tensor (see _vmap.py
 _DIM = torch.Tensor.dim
 _VIEW_AS = torch.Tensor.view_as
 _REGISTER_HOOK = torch.Tensor.register_hook
+_PyFunction = types.FunctionType
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+_COMPILER = torch.compiler
+_ALIAS = torch.ops.aten.alias.default
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
     """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
@@ -96,11 +109,13 @@ class LTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        # torch.compile traces the erased program; the graph is checked whole (spmd_types/_compile). The flag is read
+        # only outside dynamo's trace (which would guard on it): what dynamo or a backend reads of a typed tensor.
+        if _dynamo_tracing() or _COMPILER._is_compiling_flag:
+            return _traced_op(func, args, kwargs)
         if not STATE.checking:
             if func in _KEEP_UNCHECKED:
                 return _KEEP_UNCHECKED[func](func, args, kwargs)
-            if func in _UNCHECKED and compiling():  # dynamo reads a typed tensor's metadata
-                raise _compile_error(args[0])
             return _run(func, args, kwargs)
         if WATCHED.outputs:  # an input a Function returned as it is, aliased by apply: its class now known
             check_apply_outputs()
@@ -110,8 +125,6 @@ class LTensor(torch.Tensor):
         if func in _UNCHECKED:
             if func is _DIM and vmap_setup_caller():  # torch.vmap is batching a typed tensor
                 raise transform_error(format_tensor_type(args[0], args[0]._spmd_types))
-            if compiling():  # dynamo reads a typed tensor's metadata
-                raise _compile_error(args[0])
             if func is _REGISTER_HOOK:
                 return _register_typed_hook(func, args, kwargs)
             if func in _AUTOGRAD_RUNS or _dispatch_depth():
@@ -212,9 +225,34 @@ def _register_typed_hook(func, args, kwargs):
     return _run(func, (t, typed_hook), {})
 
 
-def _compile_error(t: torch.Tensor) -> SpmdTypeError:
-    with _DisableTF():
-        return compile_error(format_tensor_type(t, getattr(t, "_spmd_types", None)))
+def _traced_op(func, args, kwargs):
+    """An op on a typed tensor while torch.compile traces or compiles: the plain op, unchecked here.
+
+    Code dynamo traces records the plain op in the graph, which is checked whole before it is compiled.
+    Called for real (dynamo or a backend reading a typed tensor's metadata), it tells the compile room
+    that this graph holds typed tensors.
+    """
+    if not dynamo_tracing() or not isinstance(func, _PyFunction):
+        if not dynamo_tracing():
+            typed_tensor_traced()
+        with _DisableTF():
+            return func(*args, **kwargs)
+    # dynamo traces a Python function (a torch.nn.functional one): on plain views of the typed operands, as dynamo
+    # would route the function's own __torch_function__ check back here with subclass dispatch off
+    return func(*_plain_views(args), **dict(zip(kwargs, _plain_views(tuple(kwargs.values())))))
+
+
+def _plain_views(args: tuple) -> list:
+    """Plain aliases of the typed operands (``aten.alias``: the compiled-graph checker reads it as the value itself)."""
+    out = []
+    for a in args:
+        if type(a) in _TYPED_CLASSES:
+            with _DisableTF():
+                a = _ALIAS(a)
+        elif type(a) is list or type(a) is tuple:
+            a = type(a)(_plain_views(a))
+        out.append(a)
+    return out
 
 
 def _global_result(func, args, kwargs, out, out_types: TypeMap):
@@ -278,60 +316,10 @@ def _rebuild_typed_parameter(data: torch.Tensor, requires_grad: bool, types: Typ
     return p  # type: ignore[return-value]
 
 
-_LOCAL_CLASSES: dict[type, type] = {}
-
-
-def _local_tensor_class() -> type | None:
-    """``LocalLTensor(LTensor, LocalTensor)``, made on first use (only tests need it)."""
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except ImportError:  # pragma: no cover - torch without the simulator
-        return None
-    if LocalTensor not in _LOCAL_CLASSES:
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            # Autograd saves the typed objects themselves, so backward formulas reach the
-            # simulator with them: hand it its own class while it runs.
-            swapped = _swap_to_base(args, kwargs or {})
-            try:
-                types = tuple(LocalTensor if t is cls else t for t in types)
-                return LocalTensor.__torch_dispatch__(func, types, args, kwargs)
-            finally:
-                for x, tp in swapped:
-                    x.__class__ = tp
-
-        # LocalTensor.contiguous is a custom autograd Function whose result is a plain LocalTensor; the typed
-        # class runs Tensor.contiguous through the rules like any op, so the result keeps its type.
-        local_cls = type("LocalLTensor", (LTensor, LocalTensor),
-                         {"__module__": __name__, "__torch_dispatch__": __torch_dispatch__,
-                          "contiguous": torch.Tensor.contiguous})
-        _LOCAL_CLASSES[LocalTensor] = local_cls
-        _SWAP_BACK[local_cls] = LocalTensor
-    return _LOCAL_CLASSES[LocalTensor]
-
-
 _SWAP_BACK[TypedParameter] = torch.nn.Parameter
 _SWAP_BACK[LTensor] = torch.Tensor  # a plain tensor typed in place under the rank simulator (made outside it)
 _TYPED_CLASSES.update({LTensor, TypedParameter})
-
-
-def _typed_class_for(t: torch.Tensor) -> type:
-    tp = type(t)
-    if tp is torch.Tensor:
-        return LTensor
-    if tp is torch.nn.Parameter:
-        return TypedParameter
-    if tp in _TYPED_CLASSES or tp in _SWAP_BACK:
-        return tp
-    local_cls = _local_tensor_class()
-    if local_cls is not None and tp in _LOCAL_CLASSES:
-        _TYPED_CLASSES.add(local_cls)
-        return local_cls
-    raise TypeError(
-        f"spmd_types cannot type a tensor of class {tp.__name__}; pass a plain torch.Tensor, "
-        "an nn.Parameter or a LocalTensor"
-    )
+register_bases(LTensor, TypedParameter)
 
 
 def _marker(a: Any) -> Any:

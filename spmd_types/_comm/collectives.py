@@ -20,6 +20,7 @@ from .._core.dtensor_hook import interop, is_dtensor
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh
 from .._core.state import STATE
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import I, P, R, S, SpmdType, V, base_type, check_type_value
 from .._local.transitions import ROUTE
 from . import impl as impl
@@ -115,6 +116,9 @@ def all_reduce(
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
+        return traced_call("all_reduce", x, axis, src=src, dst=dst, op=op, inplace=inplace, op_dtype=op_dtype,
+                           out_dtype=out_dtype, backward_options=backward_options)
     if inplace:
         _check_inplace(x)  # before any communication
         return _into(x, all_reduce(x, axis, src=src, dst=dst, op=op, op_dtype=op_dtype, out_dtype=out_dtype,
@@ -330,6 +334,10 @@ def all_gather(
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
+    if routed():
+        return traced_call("all_gather", x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes,
+                           op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options,
+                           split_sizes=split_sizes)
     sizes = _sizes_or_split_sizes("spmd.all_gather", sizes, split_sizes)
     if is_dtensor(x):
         return interop().typed_op(all_gather, x, axis, src=src, dst=dst, gather_dim=gather_dim, sizes=sizes,
@@ -381,6 +389,10 @@ def reduce_scatter(
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
+    if routed():
+        return traced_call("reduce_scatter", x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes,
+                           op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options,
+                           split_sizes=split_sizes)
     sizes = _sizes_or_split_sizes("spmd.reduce_scatter", sizes, split_sizes)
     if is_dtensor(x):
         return interop().typed_op(reduce_scatter, x, axis, src=src, dst=dst, scatter_dim=scatter_dim, op=op, sizes=sizes,
@@ -440,6 +452,10 @@ def all_to_all(
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
+    if routed():
+        return traced_call("all_to_all", x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim,
+                           output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     if is_dtensor(x):
         return interop().typed_op(all_to_all, x, axis, src=src, dst=dst, split_dim=split_dim, concat_dim=concat_dim,
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
@@ -515,6 +531,10 @@ def redistribute(
         y = spmd.redistribute(x, "tp", src=spmd.S(0), dst=spmd.R)   # an all_gather
         z = spmd.redistribute(x, spmd.PartitionSpec(("dp", "tp")), spmd.PartitionSpec(("tp", "dp")))
     """
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
+        return traced_call("redistribute", x, axis, dst_spec, src=src, dst=dst, sizes=sizes, src_partial=src_partial,
+                           dst_partial=dst_partial, op_dtype=op_dtype, out_dtype=out_dtype,
+                           backward_options=backward_options)
     dtype_options = {"op_dtype": op_dtype, "out_dtype": out_dtype, "backward_options": backward_options}
     if is_dtensor(x):
         return interop().typed_op(redistribute, x, axis, src=src, dst=dst, sizes=sizes, **dtype_options)
@@ -568,3 +588,7 @@ def _no_dtype_options_with_specs(dtype_options: dict) -> None:
 
 _ROUTED = {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
            "all_to_all": all_to_all, "convert": convert}
+
+
+for _op in (all_reduce, all_gather, reduce_scatter, all_to_all, redistribute):
+    register_call(_op.__name__, _op)

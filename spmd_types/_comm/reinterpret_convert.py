@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import SpmdType, V, base_type
 from .call import Call, begin, check_sizes, finish, norm_dim
 from .dtypes import for_call
@@ -49,6 +50,9 @@ def reinterpret(
     hit = erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
+        return traced_call("reinterpret", x, axis, src=src, dst=dst, op_dtype=op_dtype, out_dtype=out_dtype,
+                           backward_options=backward_options)
     if is_dtensor(x):
         return interop().typed_op(reinterpret, x, axis, src=src, dst=dst, op_dtype=op_dtype, out_dtype=out_dtype,
                                   backward_options=backward_options)
@@ -95,6 +99,9 @@ def convert(
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
+    if routed():
+        return traced_call("convert", x, axis, src=src, dst=dst, sizes=sizes, op_dtype=op_dtype, out_dtype=out_dtype,
+                           backward_options=backward_options)
     if is_dtensor(x):
         return interop().typed_op(convert, x, axis, src=src, dst=dst, sizes=sizes, op_dtype=op_dtype,
                                   out_dtype=out_dtype, backward_options=backward_options)
@@ -135,3 +142,7 @@ def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: An
             f"{label}; {length} is not divisible by {n}. Pass sizes= (one per rank) for uneven shards."
         )
     return dim
+
+
+register_call("reinterpret", reinterpret)
+register_call("convert", convert)

@@ -21,6 +21,7 @@ from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import Mesh, current_mesh, resolve_axis
 from .._core.spaces import GroupMove, move_spec, move_types
 from .._core.state import STATE
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import Space, SpmdType, TypeMap, compatible
 
 __all__ = ["reinterpret_mesh", "space_of"]
@@ -41,6 +42,8 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
         with spmd.set_current_mesh(expert_mesh):     # (edp, ep) over the ranks of (dp, tp)
             tokens = spmd.reinterpret_mesh(tokens, spmd.current_mesh())
     """
+    if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
+        return x if not STATE.checking else traced_call("reinterpret_mesh", x, mesh)
     types = getattr(x, "_spmd_types", None)
     if not STATE.checking or types is None:
         return x
@@ -129,3 +132,11 @@ def _move_spec(spec: tuple, groups: list[GroupMove]) -> tuple:
             user_source_line(),
         )
     return moved
+
+
+def _same_data(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
+    """What ``reinterpret_mesh``'s graph node runs: the same data (a new value, typed by the checker)."""
+    return x.view_as(x)
+
+
+register_call("reinterpret_mesh", reinterpret_mesh, _same_data)

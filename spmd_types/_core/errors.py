@@ -8,12 +8,14 @@ makes the program well typed. Plain text off a terminal; rendered with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import linecache
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 __all__ = ["SpmdTypeError", "Rejection", "user_source_line"]
 
@@ -34,29 +36,65 @@ def user_source_line() -> str | None:
 
 
 def user_source(start: Any = None) -> tuple[str, str] | None:
-    """``(path:line: code, code)`` of the innermost user frame (from frame ``start`` outwards), or None."""
-    global _SKIP_DIRS
-    if len(_SKIP_DIRS) == 1:
-        import contextlib
+    """``(path:line: code, code)`` of the innermost user frame (from frame ``start`` outwards), or None.
 
-        # with a trailing separator: torch's folder is a prefix of torchtitan's, which is user code
-        _SKIP_DIRS = tuple(d + os.sep for d in (_PKG_DIR, _torch_dir(), os.path.dirname(contextlib.__file__)))
+    While a compiled graph is checked (:func:`checking_at`), the innermost user frame is the graph
+    node's own: the line the user wrote, recorded when the graph was traced.
+    """
+    _init_skip_dirs()
+    if start is None and _SITE.site is not None:
+        return _format_site(*_SITE.site)
     frame = sys._getframe(1) if start is None else start
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        # typing_extensions: its @deprecated wrapper sits between the user and a deprecated torch function
-        if (not filename.startswith(_SKIP_DIRS) and not frame.f_code.co_filename.startswith("<")
-                and not filename.endswith("typing_extensions.py")):
-            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            try:
-                shown = os.path.relpath(filename)
-            except ValueError:
-                shown = filename
-            if shown.startswith(".."):
-                shown = filename
-            return f"{shown}:{frame.f_lineno}: {code}", code
+        if is_user_file(frame.f_code.co_filename):
+            return _format_site(frame.f_code.co_filename, frame.f_lineno)
         frame = frame.f_back
     return None
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's (not this package's, torch's or the standard library's)."""
+    _init_skip_dirs()
+    # typing_extensions: its @deprecated wrapper sits between the user and a deprecated torch function
+    return (not os.path.abspath(filename).startswith(_SKIP_DIRS) and not filename.startswith("<")
+            and not filename.endswith("typing_extensions.py"))
+
+
+def _init_skip_dirs() -> None:
+    global _SKIP_DIRS
+    if len(_SKIP_DIRS) == 1:
+        # with a trailing separator: torch's folder is a prefix of torchtitan's, which is user code
+        _SKIP_DIRS = tuple(d + os.sep for d in (_PKG_DIR, _torch_dir(), os.path.dirname(contextlib.__file__)))
+
+
+def _format_site(filename: str, lineno: int) -> tuple[str, str]:
+    code = linecache.getline(filename, lineno).strip()
+    full = os.path.abspath(filename)
+    try:
+        shown = os.path.relpath(full)
+    except ValueError:
+        shown = full
+    if shown.startswith(".."):
+        shown = full
+    return f"{shown}:{lineno}: {code}", code
+
+
+class _Site(threading.local):
+    site: tuple[str, int] | None = None
+
+
+_SITE = _Site()
+
+
+@contextlib.contextmanager
+def checking_at(filename: str | None, lineno: int) -> Iterator[None]:
+    """Report ``filename:lineno`` as the user's line of every error raised inside (a compiled graph's node)."""
+    saved = _SITE.site
+    _SITE.site = None if filename is None else (filename, lineno)
+    try:
+        yield
+    finally:
+        _SITE.site = saved
 
 
 @dataclass

@@ -244,7 +244,7 @@ def _spec_entry(e: object) -> object:
     """One PartitionSpec entry, checked; a str subclass (a StrEnum axis name) becomes its plain name."""
     if isinstance(e, str):
         return str.__str__(e)
-    if e is None or _is_axis_object(e):
+    if e is None or _is_axis_object(e) or getattr(e, "_spmd_deferred", False):  # deferred: an entry read in a trace
         return e
     if isinstance(e, tuple) and all(isinstance(a, str) or _is_axis_object(a) for a in e):
         return tuple(str.__str__(a) if isinstance(a, str) else a for a in e)

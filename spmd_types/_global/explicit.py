@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .._core.errors import Rejection, op_error
 from .._core.mesh import Axis, resolve_axis
 from .._core.state import STATE
+from .._core.traced import register_call, routed, traced_call
 from .._core.types import I, P, TypeMap
 
 __all__ = ["sum", "linear", "matmul", "einsum"]
@@ -37,6 +38,8 @@ def _axes(out_partial_axes: PartialAxes) -> frozenset[str]:
 def _with_partial(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict, out_partial_axes: PartialAxes) -> Any:
     if not STATE.checking:
         return fn(*args, **kwargs)
+    if routed():  # torch.compile traces: one graph node (see _core/traced.py)
+        return traced_call(f"spmd.{name}", *args, **kwargs, out_partial_axes=out_partial_axes)
     axes = _axes(out_partial_axes)
     saved = STATE.out_partial
     STATE.out_partial = saved | axes
@@ -108,3 +111,9 @@ def einsum(equation: str, *operands: torch.Tensor, out_partial_axes: PartialAxes
         y = spmd.einsum("bk,nk->bn", h, w, out_partial_axes="tp")
     """
     return _with_partial("einsum", torch.einsum, (equation, *operands), {}, out_partial_axes)
+
+
+register_call("spmd.sum", sum)
+register_call("spmd.linear", linear)
+register_call("spmd.matmul", matmul)
+register_call("spmd.einsum", einsum)
