@@ -65,6 +65,7 @@ from ._core.types import (
     Varying,
     backward_type,
 )
+from ._core.whole_type import merge_types  # also makes spmd.SpmdType(local_type, partition_spec) a whole type
 from ._global.explicit import einsum, linear, matmul, sum
 from ._local.rules_table import RuleKind
 from .types import (
@@ -109,7 +110,7 @@ __all__ = [
     "mutate_type", "local", "Infer", "reinterpret_mesh", "shard", "unshard", "invariant_to_replicate",
     "register_local_autograd_function", "register_decomposition", "trace", "traceback_filtering",
     "PerMeshAxisSpmdType", "PerMeshAxisLocalSpmdType", "TensorSharding", "normalize_axis", "normalize_mesh",
-    "normalize_partition_spec", "format_axis",
+    "normalize_partition_spec", "format_axis", "merge_types",
 ]
 # The published API's type-hint aliases (PerMeshAxisSpmdTypes, LocalSpmdType, DeviceMeshAxis, PartitionSpecEntry,
 # DimSharding) are importable here and documented in spmd_types.types; typing aliases carry no docstring of their own.

@@ -30,10 +30,12 @@ from ._checker.asserts import (
 )
 from ._checker.mutate import mutate_type
 from ._checker.trace import trace
+from ._core.whole_type import merge_types
 
 __all__ = [
     "get_local_type", "get_partition_spec", "has_local_type", "get_axis_local_type", "maybe_get_axis_local_type",
     "assert_type", "assert_type_like",
     "assert_local_type", "assert_local_type_like", "mutate_type", "local", "local_map", "Infer", "no_typecheck",
     "register_autograd_function", "register_local_autograd_function", "register_decomposition", "trace",
+    "merge_types",
 ]

@@ -136,7 +136,7 @@ def _assert_declared(a: Any, spec: Any) -> Any:
         return a
     leaf = declared_leaf(spec)
     if leaf is not None and isinstance(a, torch.Tensor):
-        return assert_type(a, leaf[0], leaf[1])
+        return assert_type(a, leaf[0], partition_spec=leaf[1])
     if isinstance(a, (list, tuple)) and isinstance(spec, (list, tuple)) and len(a) == len(spec):
         return type(a)(_assert_declared(x, s) for x, s in zip(a, spec))
     if leaf is not None:

@@ -13,11 +13,13 @@ import torch
 
 from .._core.async_tensor import settled
 from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
-from .._core.errors import Rejection, op_error
-from .._core.mesh import Axis, current_mesh, resolve_axes
+from .._core.errors import Rejection, SpmdTypeError, op_error
+from .._core.implicit_mesh import mesh_of_keys, mesh_of_space
+from .._core.mesh import Axis, current_mesh, resolve_axes, set_current_mesh
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.whole_type import type_args
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
@@ -150,18 +152,30 @@ def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
     Keys are names (str or StrEnum), ProcessGroups, MeshAxis objects or 1-D
     DeviceMeshes; a key over several axes (a flattened group) types each of
     them; a key of size 1 types nothing. When two keys name one axis, the later
-    wins, as in a Python dict (``{**spmd.get_local_type(x), tp_group: spmd.S(1)}``).
+    may agree, or refine V to S(d) (torchtitan's ``{**spmd.get_local_type(x), tp_group: spmd.S(1)}``); two
+    types for one axis are an SpmdTypeError naming it.
     """
     if not isinstance(types, Mapping):
         raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
     if current_mesh() is None:
         raise RuntimeError(f"{what} needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`")
     out: dict[str, SpmdType] = {}
+    keys: dict[str, Any] = {}
     for a, t in types.items():
         t = check_type_value(t, f"the type for axis {a!r}")
         for name in resolve_axes(a):
-            out[name] = t
+            have = out.get(name)
+            if have is not None and have is not t and not (have is V and t.is_varying):
+                if t is V and have.is_varying:  # V after S(d): S(d) already says more
+                    continue
+                raise SpmdTypeError(f"{what}: axis '{name}' is given two types, {have} (key {_key_text(keys[name])}) "
+                                    f"and {t} (key {_key_text(a)}); an axis has one type")
+            out[name], keys[name] = t, a
     return out
+
+
+def _key_text(key: Any) -> str:
+    return repr(str.__str__(key)) if isinstance(key, str) else type(key).__name__
 
 
 def _typed_spec(spec: Spec) -> Spec:
@@ -238,7 +252,7 @@ def _placed_uncached(types: TypeSpec, partition_spec: Any, ndim: int) -> tuple[T
     return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None), resolved
 
 
-def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
+def assert_type(t: T, types: TypeSpec, *more: Any, partition_spec: Any = None) -> T:
     """Give ``t`` its SPMD types, or check the types it has.
 
     Inside :func:`typecheck`: a plain tensor is typed in place (the same
@@ -250,6 +264,11 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     later ops) and remembers the type, which :func:`typecheck` gives it when it
     starts (the published API types parameters at parallelize time).
 
+    The type may come in parts, as the published API takes them: type dicts, an
+    ``spmd.SpmdType``, a ``PartitionSpec`` and one bare R, I, V or P that fills
+    the axes nothing else names (``assert_type(x, spmd.R, {"cp": spmd.V})``);
+    see :func:`spmd.merge_types`.
+
     Example::
 
         with spmd.set_current_mesh(mesh), spmd.typecheck():
@@ -257,13 +276,20 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
+    if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
+        types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
     if not STATE.checking:
         return remember(t, types, partition_spec)  # applied when typecheck() starts; t stays plain
     if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
         refuse_compile()
+    if current_mesh() is None:  # typed by groups alone: the axes named (or t's own) are the mesh
+        own = _own_mesh(t, types, partition_spec)
+        if own is not None:
+            with set_current_mesh(own):
+                return assert_type(t, types, partition_spec=partition_spec)
     if isinstance(t, (list, tuple)):
-        return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
-    if isinstance(types, SpmdType):  # one type for every axis of the current mesh
+        return type(t)(assert_type(x, types, partition_spec=partition_spec) for x in t)  # type: ignore[return-value]
+    if isinstance(types, AxisType):  # one type for every axis of the current mesh
         mesh = current_mesh()
         if mesh is None:
             raise RuntimeError(f"assert_type(x, spmd.{types}) types every axis of the current mesh, and none is current")
@@ -290,6 +316,22 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     if STATE.tracing:
         log_op("assert_type", [old], out)
     return out  # type: ignore[return-value]
+
+
+def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:
+    space = getattr(getattr(t, "_spmd_types", None), "space", None)
+    return mesh_of_space(space) if space is not None else mesh_of_keys(types, partition_spec)
+
+
+def _joined(types: Any, more: tuple, partition_spec: Any) -> tuple[Any, Any]:
+    """The type given in parts, joined (merge_types); with checking off a part it cannot read is kept as given, to
+    be read when typecheck() applies it (an erased assert looks at nothing)."""
+    if STATE.checking:
+        return type_args(types, more, partition_spec)
+    try:
+        return type_args(types, more, partition_spec)
+    except (TypeError, ValueError):
+        return types, partition_spec
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -525,7 +567,7 @@ def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = No
         out = all_gather_into(buf, x)
         spmd.assert_type_like(out, x, {"tp": spmd.R})
     """
-    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, _typed_partition_spec(source))
+    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, partition_spec=_typed_partition_spec(source))
 
 
 def assert_local_type(t: T, types: TypeSpec) -> T:

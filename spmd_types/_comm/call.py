@@ -22,7 +22,8 @@ from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import current_mesh, resolve_axis
+from .._core.implicit_mesh import mesh_of_space
+from .._core.mesh import current_mesh, resolve_axis, set_current_mesh
 from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
@@ -266,7 +267,19 @@ class Begun(NamedTuple):
 
 
 def begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str = "sum") -> Begun:
-    """Validate the arguments every op shares; raise before any communication."""
+    """Validate the arguments every op shares; raise before any communication.
+
+    With no mesh current, a typed input's own mesh (the axes it was typed on) is the one its axis is read on.
+    """
+    if STATE.checking and current_mesh() is None:
+        own = mesh_of_space(getattr(getattr(x, "_spmd_types", None), "space", None))
+        if own is not None:
+            with set_current_mesh(own):
+                return _begin(op, x, axis, src, dst, reduce)
+    return _begin(op, x, axis, src, dst, reduce)
+
+
+def _begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str) -> Begun:
     opname = f"spmd.{op}"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")
@@ -322,7 +335,7 @@ def _on_current_mesh(opname: str, x: torch.Tensor, types: TypeMap) -> TypeMap:
             Rejection(
                 f"{opname}'s input is typed on another mesh and cannot be moved onto the current one: {found}.",
                 [("input", format_tensor_type(x, types)),
-                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
+                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout_str()}" for n in mesh.typed_axes))],
                 ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks"],
             ),
             user_source_line(),
@@ -334,10 +347,10 @@ def _reject_outside(opname: str, x: torch.Tensor, types: TypeMap, comm: AxisComm
                     dst: SpmdType) -> None:
     """A typed input to a collective over a group that is no axis of the current mesh: its type says nothing there."""
     mesh = current_mesh()
-    shown = ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes) if mesh is not None else "none"
+    shown = ", ".join(f"{n}={mesh.region(n).layout_str()}" for n in mesh.typed_axes) if mesh is not None else "none"
     raise SpmdTypeError(
         Rejection(
-            f"{opname} runs over a process group (ranks {region_of_group(comm.group).layout()}) that is not an axis "
+            f"{opname} runs over a process group (ranks {region_of_group(comm.group).layout_str()}) that is not an axis "
             "of the current mesh, nor a flattening of its axes, so the input's type says nothing about it.",
             [("op", _call_text(opname, comm, src, dst)), ("input", format_tensor_type(x, types)),
              ("current mesh", shown)],

@@ -43,6 +43,7 @@ from .erased import erased, remember_erased
 from .kernels import keeps_shards
 from .redistribute_spec import redistribute_spec
 from .reinterpret_convert import convert
+from .stacking import check_one_per_rank, stacked_input
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
 
@@ -309,7 +310,7 @@ def all_gather(
 ) -> torch.Tensor:
     """Gather every rank's ``x``: stacked on a new dim 0 (``src=V``) or concatenated on d (``src=S(d)``).
 
-    ``gather_dim=`` concatenates a ``src=V`` input on that dim instead.
+    ``gather_dim=`` stacks a ``src=V`` input on a new dim there instead (the published meaning).
     ``sizes=`` (one per rank) gathers uneven shards. ``dst=R`` backward is a
     reduce-scatter; ``dst=I`` backward is a local slice (no communication)::
 
@@ -326,7 +327,9 @@ def all_gather(
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R, op_dtype=torch.bfloat16,
                                  backward_options={"op_dtype": torch.float32})
     """
-    fast_args = None if sizes is not None or split_sizes is not None else ("all_gather", axis, src, dst, gather_dim)
+    stacks = src is V and gather_dim is not None  # V stacks on a new dim gather_dim (stacking.py)
+    fast_args = None if sizes is not None or split_sizes is not None or stacks else ("all_gather", axis, src, dst,
+                                                                                      gather_dim)
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
@@ -336,10 +339,13 @@ def all_gather(
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("all_gather", x, axis, src, dst)
     comm = begun.comm
-    dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
     sizes = check_sizes(begun.opname, sizes, comm)
-    if sizes is not None and dim is None:
-        raise ValueError(f"{begun.opname}: sizes= needs a concat dim (src=S(d) or gather_dim=); V inputs stack")
+    if sizes is not None and begun.src is V:
+        raise ValueError(f"{begun.opname}: sizes= needs a concat dim, src=S(d); V inputs stack")
+    if stacks:
+        x, dim = stacked_input(begun.opname, x, gather_dim)  # type: ignore[arg-type]
+    else:
+        dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
     if sizes is not None:
         check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
     dtypes = for_call(begun, "all_gather", x, op_dtype, out_dtype, backward_options)
@@ -360,7 +366,7 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Sum (or average) the pending sum and keep this rank's part of it.
 
-    ``dst=V`` keeps index ``rank`` of dim 0 (dim 0 has one entry per rank);
+    ``dst=V`` keeps index ``rank`` of dim 0 (dim 0 has one entry per rank), or of dim ``scatter_dim``;
     ``dst=S(d)`` keeps this rank's shard of dim d (``sizes=`` for uneven
     shards). ``src=V`` means ``reinterpret(V, P)`` first. Backward is an
     all-gather::
@@ -376,7 +382,8 @@ def reduce_scatter(
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
-    fast_args = (None if sizes is not None or split_sizes is not None
+    unstacks = dst is V and scatter_dim is not None  # V takes this rank's entry of dim scatter_dim (stacking.py)
+    fast_args = (None if sizes is not None or split_sizes is not None or unstacks
                  else ("reduce_scatter", axis, src, dst, scatter_dim, op))
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -387,8 +394,13 @@ def reduce_scatter(
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("reduce_scatter", x, axis, src, dst, op)
     comm, opname = begun.comm, begun.opname
-    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
     sizes = check_sizes(opname, sizes, comm)
+    if unstacks and sizes is None:
+        d = check_one_per_rank(opname, x, "scatter_dim", scatter_dim, comm.size, comm.label)  # type: ignore[arg-type]
+        dtypes = for_call(begun, "reduce_scatter", x, op_dtype, out_dtype, backward_options)
+        call = Call("reduce_scatter", begun.src, begun.dst, comm, dim=d, reduce=op, dtypes=dtypes)
+        return finish(begun, call, x).squeeze(d)
+    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
     if dim is None:
         if sizes is not None:
             raise ValueError(f"{opname}: sizes= needs a scatter dim (dst=S(d) or scatter_dim=); dst=V indexes dim 0")
@@ -420,7 +432,9 @@ def all_to_all(
 
     ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
     dim j (``concat_dim=i``, ``split_dim=j``). With plain V the dims default to
-    0. ``input_split_sizes`` / ``output_split_sizes`` (V -> V, dim 0) send
+    0; on two different dims, V -> V unbinds ``split_dim`` (one entry per rank)
+    and stacks what arrives on ``concat_dim``. ``input_split_sizes`` / ``output_split_sizes`` (V or S(0), dim 0;
+    a side not given is even) send
     ``input_split_sizes[j]`` rows to rank j and receive ``output_split_sizes[j]``
     from it (MoE token routing); the backward swaps them.
     ``op_dtype`` / ``out_dtype`` cast before / after the exchange;
@@ -435,7 +449,10 @@ def all_to_all(
         routed = spmd.all_to_all(tokens, ep_group, src=spmd.V, dst=spmd.V,
                                  input_split_sizes=send_counts, output_split_sizes=recv_counts)
     """
-    fast_args = (None if input_split_sizes is not None or output_split_sizes is not None
+    # V -> V on two dims: unbind split_dim, stack on concat_dim (stacking.py)
+    restacks = (src is V and dst is V and (split_dim or 0) != (concat_dim or 0) and input_split_sizes is None
+                and output_split_sizes is None)
+    fast_args = (None if input_split_sizes is not None or output_split_sizes is not None or restacks
                  else ("all_to_all", axis, src, dst, split_dim, concat_dim))
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -445,6 +462,12 @@ def all_to_all(
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("all_to_all", x, axis, src, dst)
     comm, opname, ndim = begun.comm, begun.opname, x.dim()
+    if restacks:
+        s = check_one_per_rank(opname, x, "split_dim", split_dim or 0, comm.size, comm.label)
+        c = norm_dim(opname, f"concat_dim={concat_dim}", concat_dim or 0, ndim)
+        call = Call("all_to_all", V, V, comm, split_dim=s, concat_dim=s,
+                    dtypes=for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options))
+        return finish(begun, call, x).movedim(s, c)
     concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
     split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
     concat, split = 0 if concat is None else concat, 0 if split is None else split  # V -> V: dim 0 by default
@@ -465,14 +488,13 @@ def _uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, spl
     if inputs is None and outputs is None:
         return None
     opname, comm = begun.opname, begun.comm
-    if inputs is None or outputs is None:
-        raise ValueError(f"{opname}: give both input_split_sizes= and output_split_sizes= (one per rank of "
-                         f"{comm.label}), or neither")
-    if begun.src is not V or begun.dst is not V or split != 0 or concat != 0:
-        raise ValueError(f"{opname}: uneven pieces (input_split_sizes=, output_split_sizes=) go with src=spmd.V, "
-                         f"dst=spmd.V on dim 0; got src={begun.src}, dst={begun.dst}")
+    if split != 0 or concat != 0:
+        raise ValueError(f"{opname}: uneven pieces (input_split_sizes=, output_split_sizes=) are rows of dim 0: "
+                         f"src and dst V or S(0); got src={begun.src}, dst={begun.dst}")
+    even = [x.shape[0] // comm.size] * comm.size  # the side not given: even pieces, as the published API
     found = []
-    for name, sizes in (("input_split_sizes", inputs), ("output_split_sizes", outputs)):
+    for name, sizes in (("input_split_sizes", inputs if inputs is not None else even),
+                        ("output_split_sizes", outputs if outputs is not None else even)):
         if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
             raise TypeError(f"{opname}: {name}= takes one size per rank, got {sizes!r}")
         sizes = tuple(sizes)

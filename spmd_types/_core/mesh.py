@@ -133,7 +133,7 @@ class Mesh:
         if not orthogonal(regions_typed):
             raise ValueError(
                 f"set_current_mesh: the axes ({', '.join(mesh.typed_axes)}) are not independent dims of one mesh "
-                f"(regions {', '.join(r.layout() for r in regions_typed)}); a type per axis needs axes that "
+                f"(regions {', '.join(r.layout_str() for r in regions_typed)}); a type per axis needs axes that "
                 "do not overlap"
             )
         for name in names:
@@ -485,8 +485,8 @@ def _resolve_in(mesh: Mesh, axis: Any, what: str) -> tuple[str, ...]:
     found = mesh.axes_for_region(region)
     if found is None:
         raise ValueError(
-            f"this {type(axis).__name__} (ranks {region.layout()}) is not an axis, nor a flattening of axes, of the "
-            f"current mesh ({', '.join(f'{n}={mesh.region(n).layout()}' for n in mesh.typed_axes)})"
+            f"this {type(axis).__name__} (ranks {region.layout_str()}) is not an axis, nor a flattening of axes, of the "
+            f"current mesh ({', '.join(f'{n}={mesh.region(n).layout_str()}' for n in mesh.typed_axes)})"
         )
     return found
 
