@@ -18,7 +18,8 @@ from typing import Any, Dict, Iterable, Protocol, Sequence, Tuple, Union
 import torch.distributed as dist
 
 from ._core.axes import MeshAxis
-from ._core.errors import SpmdTypeError
+from ._core.errors import DTensorPropagationError, RedistributeError, SpmdTypeError
+from ._core.regions import normalize_axis
 from ._core.types import (
     AxisType,
     I,
@@ -45,7 +46,7 @@ __all__ = [
     "SpmdTypeError", "backward_type", "normalize_axis", "normalize_mesh", "normalize_partition_spec", "format_axis",
     "partition_spec_to_shard_types", "shard_types_to_partition_spec", "partition_spec_get_shard",
     "AxisType", "TensorSpmdType", "merge_types", "PerMeshAxisSpmdTypesArg", "to_local_type", "normalize_local_type",
-    "normalize_dim_sharding",
+    "normalize_dim_sharding", "RedistributeError", "DTensorPropagationError",
 ]
 
 PerMeshAxisSpmdType = AxisType
@@ -93,24 +94,6 @@ class TensorSharding(tuple):
 
     def __repr__(self) -> str:
         return "TensorSharding(" + ", ".join(repr(d) for d in self) + ")"
-
-
-def normalize_axis(axis: Any) -> MeshAxis:
-    """The :class:`MeshAxis` (region of ranks) an axis stands for: a name of the current mesh, a group, a MeshAxis.
-
-    Example::
-
-        spmd.normalize_axis("tp") == spmd.MeshAxis.of(tp_group)   # True
-    """
-    from ._core.axes import region_of_group
-    from ._core.mesh import current_mesh, resolve_axis
-
-    if isinstance(axis, MeshAxis):
-        return axis
-    if isinstance(axis, str):
-        mesh = current_mesh()
-        return mesh.region(resolve_axis(axis))  # type: ignore[union-attr]
-    return region_of_group(axis)
 
 
 def normalize_mesh(axes: Any) -> frozenset[MeshAxis]:
@@ -194,7 +177,7 @@ def partition_spec_get_shard(spec: Any, axis: Any) -> Shard | None:
     return partition_spec_to_shard_types(spec).get(normalize_axis(axis))
 
 
-def to_local_type(t: AxisType) -> PerMeshAxisLocalSpmdType:
+def to_local_type(typ: AxisType) -> PerMeshAxisLocalSpmdType:
     """The local type a tensor stores for ``t``: V for ``S(d)``, ``t`` itself for R, I, V, P.
 
     Example::
@@ -203,11 +186,11 @@ def to_local_type(t: AxisType) -> PerMeshAxisLocalSpmdType:
     """
     from ._core.types import check_type_value
 
-    t = check_type_value(t, "to_local_type")
+    t = check_type_value(typ, "to_local_type")
     return V if isinstance(t, Shard) else t  # type: ignore[return-value]
 
 
-def normalize_local_type(types: Any) -> dict[MeshAxis, PerMeshAxisLocalSpmdType]:
+def normalize_local_type(spmd_type: Any) -> dict[MeshAxis, PerMeshAxisLocalSpmdType]:
     """``types`` keyed by :class:`MeshAxis` (names read on the current mesh), axes of one rank dropped.
 
     Values are R, I, V or P (a ``TypeError`` otherwise); the axes must be
@@ -218,7 +201,7 @@ def normalize_local_type(types: Any) -> dict[MeshAxis, PerMeshAxisLocalSpmdType]
         normalize_local_type({"tp": spmd.R, dp_group: spmd.V})   # {MeshAxis(dp): V, MeshAxis(tp): R}
     """
     out: dict[MeshAxis, PerMeshAxisLocalSpmdType] = {}
-    for axis, t in types.items():
+    for axis, t in spmd_type.items():
         if not isinstance(t, PerMeshAxisLocalSpmdType):
             raise TypeError(f"normalize_local_type: the type on axis {format_axis(axis)} is R, I, V or P, got {t!r}")
         region = normalize_axis(axis)
@@ -228,13 +211,13 @@ def normalize_local_type(types: Any) -> dict[MeshAxis, PerMeshAxisLocalSpmdType]
     return out
 
 
-def normalize_dim_sharding(dim: DimSharding) -> Sequence[str]:
+def normalize_dim_sharding(dim_sharding: DimSharding) -> Sequence[str]:
     """One :data:`DimSharding` as a sequence of axis names: ``()`` for None, ``("tp",)`` for ``"tp"``."""
-    if dim is None:
+    if dim_sharding is None:
         return ()
-    if isinstance(dim, str):
-        return (dim,)
-    return tuple(dim)
+    if isinstance(dim_sharding, str):
+        return (dim_sharding,)
+    return tuple(dim_sharding)
 
 
 def format_axis(axis: Any) -> str:

@@ -25,7 +25,7 @@ from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
-from .latent import apply_remembered, remember, remembered
+from .latent import apply_remembered, remember
 from .reading import (  # noqa: F401 - the readers are re-exported here, beside assert_type
     by_region,
     get_axis_local_type,
@@ -34,14 +34,10 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
     present,
     rehome_here,
 )
-from .reading import get_local_type as _typed_local_type
-from .reading import get_partition_spec as _typed_partition_spec
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
 
-__all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "is_checking",
-           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
-           "get_axis_local_type", "maybe_get_axis_local_type"]
+__all__ = ["typecheck", "assert_type", "get_type", "is_checking", "get_axis_local_type", "maybe_get_axis_local_type"]
 
 T = TypeVar("T")
 TypeSpec = Mapping[Axis, SpmdType]
@@ -252,8 +248,8 @@ def _placed_uncached(types: TypeSpec, partition_spec: Any, ndim: int) -> tuple[T
     return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None), resolved
 
 
-def assert_type(t: T, types: TypeSpec, *more: Any, partition_spec: Any = None) -> T:
-    """Give ``t`` its SPMD types, or check the types it has.
+def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: Any = None, **published: Any) -> T:
+    """Give ``tensor`` its SPMD types, or check the types it has.
 
     Inside :func:`typecheck`: a plain tensor is typed in place (the same
     object is an LTensor with ``types`` afterwards, and is returned; axes of the
@@ -276,6 +272,9 @@ def assert_type(t: T, types: TypeSpec, *more: Any, partition_spec: Any = None) -
             spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
+    t = tensor
+    if published:  # the published 0.2.3 keyword, assert_type(tensor=x, type={...})
+        types = _published_type(types, published)
     if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
         types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
     if not STATE.checking:
@@ -316,6 +315,14 @@ def assert_type(t: T, types: TypeSpec, *more: Any, partition_spec: Any = None) -
     if STATE.tracing:
         log_op("assert_type", [old], out)
     return out  # type: ignore[return-value]
+
+
+def _published_type(types: Any, published: dict) -> Any:
+    if set(published) != {"type"}:
+        raise TypeError(f"assert_type() got an unexpected keyword argument {next(k for k in published if k != 'type')!r}")
+    if types is not None:
+        raise TypeError("assert_type: the type is given twice, by position and as type=")
+    return published["type"]
 
 
 def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:
@@ -459,133 +466,6 @@ def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
             "assert_type",
             ("x", "types"),
         )
-
-
-def get_local_type(t: Any) -> dict[Any, SpmdType]:
-    """The published API's view of a tensor's type: ``{MeshAxis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
-
-    Keyed by regions of ranks (:class:`spmd.MeshAxis`), outermost first, as
-    torch 2.14's FSDP2 and ``local_map`` read it; axes of size 1 do not appear.
-    The layout of V axes is the partition spec (:func:`get_partition_spec`). A
-    type given outside ``typecheck()`` reads the same (resolved under the mesh
-    it was given with); given with no mesh and keyed by names, its keys stay names.
-
-    Example::
-
-        out_types = {**spmd.get_local_type(x), spmd.MeshAxis.of(tp_group): spmd.S(1)}  # x's types, tp changed
-    """
-    if getattr(t, "_spmd_types", None) is not None:
-        return _typed_local_type(t)  # presented on the current mesh
-    found = _remembered_types(t)
-    if found is None:
-        return {}
-    if isinstance(found, tuple):  # the axes the assertion named (a spec's included), as regions
-        types, spec, given = found
-        named = set(given) | (axes_of(spec) if spec is not None else set())
-        return by_region(TypeMap.of({a: ty for a, ty in types.items if a in named}, types.space))
-    out: dict[Any, SpmdType] = {}
-    for a, ty in found.items():
-        key = _region_or_name(a)
-        if key is not None:
-            out[key] = V if ty.is_varying else ty
-    return out
-
-
-def get_partition_spec(t: Any) -> Any:
-    """A typed tensor's partition spec, its axes as regions of ranks (:class:`spmd.MeshAxis`); None if it has none.
-
-    Local SPMD keeps one too when ``S(d)`` or ``partition_spec=`` places an axis
-    (torch 2.14's FSDP2 reads it to shard a parameter); a type given outside
-    ``typecheck()`` has its spec read the same way. Entries compare by region:
-    ``PartitionSpec('tp', None)`` equals it under a mesh that calls that region ``tp``.
-
-    Example::
-
-        with spmd.set_current_mesh(mesh), spmd.typecheck():
-            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
-            spmd.get_partition_spec(x)   # PartitionSpec(tp, None)
-    """
-    if getattr(t, "_spmd_types", None) is not None:
-        return _typed_partition_spec(t)
-    found = _remembered_types(t)
-    if found is None:
-        return None
-    if isinstance(found, tuple):
-        types, spec, _ = found
-        if spec is None:
-            return None
-        space = types.space
-        return to_partition_spec(tuple(tuple(space.region(a) if space is not None else a for a in e) for e in spec))
-    shards = {_region_or_name(a): ty for a, ty in found.items() if isinstance(ty, Shard)}
-    shards.pop(None, None)
-    if not shards:
-        return None
-    ndim = t.dim()
-    entries: list[tuple] = [() for _ in range(ndim)]
-    for a, ty in shards.items():
-        entries[ty.dim % ndim] += (a,)
-    return to_partition_spec(tuple(entries))
-
-
-def _region_or_name(axis: Any) -> Any:
-    """A type dict's key as a region of ranks (None for one of size 1); a name stays a name (no mesh to read it)."""
-    from .._core.axes import MeshAxis, region_of_group
-
-    if isinstance(axis, str):
-        return str.__str__(axis)
-    region = axis if isinstance(axis, MeshAxis) else region_of_group(axis)
-    return region if region.size() > 1 else None
-
-
-def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None, dict] | Mapping | None:
-    """What a record made outside typecheck() stands for: (types, spec, the axes it named) resolved under its mesh
-    (or the current one), else the type dict as given."""
-    record = remembered(t)
-    if record is None:
-        return None
-    types, spec, mesh, _ = record
-    if mesh is None:
-        mesh = current_mesh()
-        if mesh is None:
-            return types if isinstance(types, Mapping) else None
-    from .._core.mesh import set_current_mesh
-
-    with set_current_mesh(mesh):
-        return _placed_and_given(t, types, spec)
-
-
-def has_local_type(t: Any) -> bool:
-    """True when ``t`` carries an SPMD type (or was given one by ``assert_type`` outside ``typecheck()``)."""
-    return getattr(t, "_spmd_types", None) is not None or remembered(t) is not None
-
-
-def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
-    """``assert_type(t, source's types with overrides, source's partition spec)``, in place.
-
-    Example::
-
-        out = all_gather_into(buf, x)
-        spmd.assert_type_like(out, x, {"tp": spmd.R})
-    """
-    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, partition_spec=_typed_partition_spec(source))
-
-
-def assert_local_type(t: T, types: TypeSpec) -> T:
-    """The published API's older name for :func:`assert_type` without a partition spec."""
-    return assert_type(t, types)
-
-
-def assert_local_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
-    """Like :func:`assert_type_like`, without the source's partition spec."""
-    return assert_type(t, {**_local_or_shards(source), **(overrides or {})})
-
-
-def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
-    if getattr(source, "_spmd_types", None) is None:
-        if STATE.checking:
-            raise TypeError("assert_type_like: the source tensor is untyped; type it first")
-        return {}
-    return dict(present(source, "assert_type_like")[0].items)
 
 
 def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | None = None) -> None:

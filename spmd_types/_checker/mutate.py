@@ -35,15 +35,17 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
     (every typed axis); ``mutate_type(t, src=R, dst={a: I, b: P})``;
     ``mutate_type(t, src={a: R, b: I}, dst=P)``; ``mutate_type(t, src={a: R}, dst={a: I})``.
     ``S(d)`` is compared and stored as V locally. Outside :func:`typecheck` it
-    returns ``tensor`` untouched.
+    changes a type given there by ``assert_type`` (a plain tensor stays plain).
 
     Example::
 
         counts = tokens_per_expert(...)                    # typed P on 'tp'
         spmd.mutate_type(counts, "tp", src=spmd.P, dst=spmd.V)
     """
-    if not STATE.checking:
-        return tensor
+    if not STATE.checking:  # a type given outside typecheck() changes as its record (published.py)
+        from .published import mutate_remembered
+
+        return mutate_remembered(tensor, axis, src, dst)
     types = getattr(tensor, "_spmd_types", None)
     if types is None:
         raise SpmdTypeError(

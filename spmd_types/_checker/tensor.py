@@ -23,6 +23,7 @@ from .._guards.function_guard import WATCHED, check_apply_outputs, check_no_unre
 from .._guards.optim_checks import mark_grad, unsynced_grad, unsynced_grad_rejection
 from .._guards.strict import check_typed_root, typed_root
 from .._guards.transforms import compile_error, compiling, is_transform_tensor, transform_error, vmap_setup_caller
+from .._guards.unchecked_code import UNCHECKED_CODES, in_unchecked_code
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import backward_possible, infer
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
@@ -95,7 +96,7 @@ class LTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if not STATE.checking:
+        if not STATE.checking or (UNCHECKED_CODES and in_unchecked_code()):  # register_no_typecheck's functions
             if func in _KEEP_UNCHECKED:
                 return _KEEP_UNCHECKED[func](func, args, kwargs)
             if func in _UNCHECKED and compiling():  # dynamo reads a typed tensor's metadata
@@ -255,7 +256,7 @@ def _make_operator(name: str):
         if not _tf_enabled():
             with _DisableTF():
                 return base(self, other)
-        if not STATE.checking:  # erased: as any op on a typed tensor outside checking (simulated ranks included)
+        if not STATE.checking or (UNCHECKED_CODES and in_unchecked_code()):  # erased (simulated ranks included)
             return _run(base, (self, other), {})
         if WATCHED.outputs:
             check_apply_outputs()

@@ -21,7 +21,7 @@ import torch
 from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
-from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._core.errors import RedistributeError, Rejection, SpmdTypeError, user_source_line
 from .._core.implicit_mesh import mesh_of_space
 from .._core.mesh import current_mesh, resolve_axis, set_current_mesh
 from .._core.spaces import move_types
@@ -541,7 +541,7 @@ def _global_spec(begun: Begun, x: torch.Tensor, out_ndim: int) -> tuple | None:
     if src_dim is not None:
         d = src_dim % in_ndim
         if entries[d][-len(names):] != names:
-            raise SpmdTypeError(
+            raise RedistributeError(
                 Rejection(
                     f"{begun.opname} can only gather the minor-most mesh axes of a dim: dim {d} is sharded on "
                     f"{tuple(entries[d])}, and this gathers {tuple(names)}.",

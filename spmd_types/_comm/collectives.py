@@ -23,6 +23,7 @@ from .._core.state import STATE
 from .._core.types import I, P, R, S, SpmdType, V, base_type, check_type_value
 from .._local.transitions import ROUTE
 from . import impl as impl
+from .async_op import takes_async_op
 from .call import (
     Begun,
     Call,
@@ -79,6 +80,7 @@ def _check_split(
 # op="max"|"min": V -> R, V -> I (not linear, so not in seed 003's table: EXTREME_ROWS below)
 
 
+@takes_async_op
 def all_reduce(
     x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum",
     inplace: bool = False, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
@@ -303,6 +305,7 @@ class _AllReduceExtreme(torch.autograd.Function):
 # all_gather: V -> R (backward reduce_scatter), V -> I (backward convert(I, V): a local slice)
 
 
+@takes_async_op
 def all_gather(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = R, gather_dim: int | None = None,
     sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
@@ -359,6 +362,7 @@ def all_gather(
 # reduce_scatter: P -> V (backward all_gather(V, R))
 
 
+@takes_async_op
 def reduce_scatter(
     x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = V, scatter_dim: int | None = None,
     op: str = "sum", sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None,
@@ -422,6 +426,7 @@ def reduce_scatter(
 # all_to_all: V -> V, S(i) -> S(j) (backward all_to_all S(j) -> S(i))
 
 
+@takes_async_op
 def all_to_all(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = V, split_dim: int | None = None,
     concat_dim: int | None = None, output_split_sizes: Sequence[int] | None = None,
@@ -513,6 +518,7 @@ def _uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, spl
 # redistribute: keep the meaning, communicate as needed (routes via _transitions.ROUTE)
 
 
+@takes_async_op
 def redistribute(
     x: torch.Tensor, axis: Any, dst_spec: Any = None, *, src: SpmdType | None = None, dst: SpmdType | None = None,
     sizes: Sequence[int] | None = None, src_partial: Sequence[str] = (), dst_partial: Sequence[str] = (),

@@ -14,6 +14,7 @@ import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.types import SpmdType, V, base_type
+from .async_op import takes_async_op
 from .call import Call, begin, check_sizes, finish, norm_dim
 from .dtypes import for_call
 from .erased import erased, remember_erased
@@ -21,13 +22,15 @@ from .erased import erased, remember_erased
 __all__ = ["reinterpret", "convert"]
 
 
+
 # ---------------------------------------------------------------------------
 # reinterpret: same local data, new type (the meaning may change)
 
 
+@takes_async_op
 def reinterpret(
     x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, op_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+    out_dtype: torch.dtype | None = None, backward_options: dict | None = None, expert_mode: bool = False,
 ) -> torch.Tensor:
     """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` without touching its local data.
 
@@ -39,7 +42,9 @@ def reinterpret(
                 +A
 
     ``op_dtype``, ``out_dtype`` and ``backward_options`` cast as on every typed op
-    (see the low-precision page of the docs).
+    (see the low-precision page of the docs). ``expert_mode=`` is the published
+    API's switch for R -> I, R -> P, I -> R and R -> V; seed 003's table allows
+    them here without it (docs/choices.md, choice 48).
 
     Example::
 
@@ -64,9 +69,11 @@ def reinterpret(
 # convert: same meaning, new type (local slicing or zero-filling only)
 
 
+@takes_async_op
 def convert(
     x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None,
     op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+    expert_mode: bool = False,
 ) -> torch.Tensor:
     """Change ``x``'s type on ``axis`` keeping its meaning, with local work only.
 

@@ -27,10 +27,10 @@ from .._core.whole_type import TensorSpmdType
 __all__ = ["reinterpret_mesh", "space_of"]
 
 
-def reinterpret_mesh(x: torch.Tensor, mesh: Any = None, *, inplace: bool = False) -> torch.Tensor:
-    """``x`` retyped onto ``mesh`` (default: the current mesh), a presentation of the same ranks.
+def reinterpret_mesh(tensor: torch.Tensor, type: Any = None, *, inplace: bool = False) -> torch.Tensor:  # noqa: A002
+    """``tensor`` retyped onto ``type`` (a mesh; default the current one), a presentation of the same ranks.
 
-    ``mesh`` is a ``DeviceMesh``, a ``{name: ProcessGroup}`` or ``{name: MeshAxis}``
+    ``type`` is a ``DeviceMesh``, a ``{name: ProcessGroup}`` or ``{name: MeshAxis}``
     dict, a collection of ``MeshAxis`` (``spmd.current_mesh()``), or the target
     type itself, ``{axis: type}`` (the axes, checked against the moved type).
     Axes over the same ranks keep their type; the others must flatten into each
@@ -43,6 +43,7 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None, *, inplace: bool = False
         with spmd.set_current_mesh(expert_mesh):     # (edp, ep) over the ranks of (dp, tp)
             tokens = spmd.reinterpret_mesh(tokens, spmd.current_mesh())
     """
+    x, mesh = tensor, type  # the published parameter names: the tensor, and its target (a mesh or a type)
     types = getattr(x, "_spmd_types", None)
     if not STATE.checking or types is None:
         return x

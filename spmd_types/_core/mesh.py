@@ -249,10 +249,10 @@ _MESHES = _MeshStack()
 
 
 @contextlib.contextmanager
-def set_current_mesh(mesh: Any = None, *, local_axes: Iterable[Any] = ()) -> Iterator[Mesh]:
-    """Make ``mesh`` the current mesh for this thread inside the ``with`` block.
+def set_current_mesh(axes: Any = None, *, local_axes: Iterable[Any] = ()) -> Iterator[Mesh]:
+    """Make ``axes`` (a mesh) the current mesh for this thread inside the ``with`` block.
 
-    ``mesh`` is a ``DeviceMesh`` with ``mesh_dim_names``, a ``{name: ProcessGroup}``
+    ``axes`` is a ``DeviceMesh`` with ``mesh_dim_names``, a ``{name: ProcessGroup}``
     or ``{name: MeshAxis}`` dict, or a collection of ``MeshAxis`` / process groups;
     ``None`` keeps the current mesh (to change ``local_axes``). ``local_axes``
     names the outermost axes that stay in local SPMD when checking is global
@@ -264,6 +264,7 @@ def set_current_mesh(mesh: Any = None, *, local_axes: Iterable[Any] = ()) -> Ite
         with spmd.set_current_mesh(mesh), spmd.typecheck():
             x = spmd.assert_type(x, {"dp": spmd.V, "tp": spmd.R})
     """
+    mesh = axes  # the published parameter name: the mesh's axes, in any form above
     if mesh is None:
         outer = current_mesh()
         if outer is None:
