@@ -141,7 +141,11 @@ def __getattr__(name: str):
 
 
 from . import checker as checker  # noqa: E402 - the published API's modules, reachable as spmd.checker / spmd.runtime
+from . import rules as rules  # noqa: E402
 from . import runtime as runtime  # noqa: E402
+from ._boundaries import hook_registration as _hook_registration  # noqa: E402
+
+_hook_registration.install()  # Functions with an spmd_typecheck / typecheck_forward hook type themselves
 
 
 def _hide_own_frames() -> None:

@@ -19,7 +19,8 @@ from .._checker.asserts import assert_type
 from .._checker.boundaries import declared_leaf, type_declared_outputs
 from .._checker.declarations import check_positional
 from .._core.dtensor_hook import interop, is_dtensor
-from .._core.mesh import Axis, require_mesh, resolve_axes
+from .._core.implicit_mesh import mesh_of_values
+from .._core.mesh import Axis, current_mesh, require_mesh, resolve_axes, set_current_mesh
 from .._core.state import STATE
 from .._core.types import PartitionSpec, SpmdType
 
@@ -81,6 +82,11 @@ def local_map(
                                               "for DTensors): declare one per positional argument")
                 check_positional(f"local_map({f.__qualname__})", args, in_types)
                 return interop().local_map_dtensor(wrapper, f, args, kwargs, in_types, out_types)
+            if current_mesh() is None:  # typed by groups alone: the arguments' (or the declarations') mesh
+                own = mesh_of_values(args, (in_types, out_types))
+                if own is not None:
+                    with set_current_mesh(own):
+                        return wrapper(*args, **kwargs)
             mesh = require_mesh("local_map")
             if in_types is not Infer:
                 args = _enter(f.__qualname__, args, in_types)
@@ -109,6 +115,14 @@ def local() -> Iterator[None]:
     """
     if not STATE.checking:
         yield
+        return
+    if current_mesh() is None:  # types on their own meshes: every axis local for the block
+        saved = STATE.global_mode
+        STATE.global_mode = False
+        try:
+            yield
+        finally:
+            STATE.global_mode = saved
         return
     with _local_on(require_mesh("spmd.local"), None):
         yield

@@ -7,7 +7,7 @@ typed code runs as plain PyTorch (erasure).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Mapping, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
 
 import torch
 
@@ -16,6 +16,7 @@ from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
 from .._core.errors import Rejection, SpmdTypeError, op_error
 from .._core.implicit_mesh import mesh_of_keys, mesh_of_space
 from .._core.mesh import Axis, current_mesh, resolve_axes, set_current_mesh
+from .._core.phantom import COVERAGE, NdimWithSpmdType, assert_phantom, touch
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
@@ -107,6 +108,9 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
         global_mode, local_axes = _local_axes(local)  # a bad argument raises before any state changes
     if strict is None:
         strict = STATE.strict if STATE.checking else False
+    if not STATE.checking:  # the outermost typecheck(): what must happen before the first checked op
+        for prepare in ON_FIRST_TYPECHECK:
+            prepare()
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
     load_if_imported()  # DTensor's registrations (DTensor.from_local of a typed tensor) before the first op
@@ -119,6 +123,10 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
         WATCHED.outputs = []
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
         forget_refused_frames()  # torch.compile ran typed frames eagerly: let the erased program compile
+
+
+# called as the outermost typecheck() begins (the hooked Functions' registration, _boundaries/hook_registration.py)
+ON_FIRST_TYPECHECK: list[Callable[[], None]] = []
 
 
 def _strictness(strict_mode: str | None, strict: bool | None) -> bool | None:
@@ -286,6 +294,10 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
         if own is not None:
             with set_current_mesh(own):
                 return assert_type(t, types, partition_spec=partition_spec)
+    if COVERAGE.stack:  # a Function's spmd_typecheck hook is running: t is accounted for
+        touch(t)
+        if isinstance(t, NdimWithSpmdType):
+            return assert_phantom(t, types, partition_spec)  # type: ignore[return-value]
     if isinstance(t, (list, tuple)):
         return type(t)(assert_type(x, types, partition_spec=partition_spec) for x in t)  # type: ignore[return-value]
     if isinstance(types, AxisType):  # one type for every axis of the current mesh

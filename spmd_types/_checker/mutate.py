@@ -18,7 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import current_mesh, resolve_axes
+from .._core.implicit_mesh import mesh_of_space
+from .._core.mesh import current_mesh, resolve_axes, set_current_mesh
 from .._core.state import STATE
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
 from .._local.transitions import backward_of, find
@@ -47,6 +48,11 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
 
         return mutate_remembered(tensor, axis, src, dst)
     types = getattr(tensor, "_spmd_types", None)
+    if types is not None and current_mesh() is None:  # typed by groups alone: its own mesh
+        own = mesh_of_space(types.space)
+        if own is not None:
+            with set_current_mesh(own):
+                return mutate_type(tensor, axis, src=src, dst=dst)
     if types is None:
         raise SpmdTypeError(
             Rejection("spmd.mutate_type needs a typed tensor: it changes a type, and this tensor has none.",

@@ -14,6 +14,7 @@ from typing import Any, Mapping, TypeVar
 import torch
 
 from .._core.mesh import current_mesh
+from .._core.phantom import NdimWithSpmdType
 from .._core.spec import Spec, axes_of, to_partition_spec
 from .._core.state import STATE
 from .._core.types import Shard, SpmdType, TypeMap, V
@@ -47,6 +48,8 @@ def get_local_type(value: Any) -> dict[Any, SpmdType]:
     t = value
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_local_type(t)  # presented on the current mesh
+    if isinstance(t, NdimWithSpmdType):
+        return dict(t.local_type or {})
     found = _remembered_types(t)
     if found is None:
         return {}
@@ -79,6 +82,8 @@ def get_partition_spec(tensor: Any) -> Any:
     t = tensor
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_partition_spec(t)
+    if isinstance(t, NdimWithSpmdType):
+        return t.partition_spec
     found = _remembered_types(t)
     if found is None:
         return None
@@ -128,6 +133,8 @@ def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None, dict] | Mapping | N
 
 def has_local_type(tensor: Any) -> bool:
     """True when ``tensor`` carries an SPMD type (or was given one by ``assert_type`` outside ``typecheck()``)."""
+    if isinstance(tensor, NdimWithSpmdType):
+        return tensor.local_type is not None
     return getattr(tensor, "_spmd_types", None) is not None or remembered(tensor) is not None
 
 
@@ -174,7 +181,7 @@ def assert_type_like(tensor: T, source: torch.Tensor, overrides: TypeSpec | None
         spmd.assert_type_like(out, x, {"tp": spmd.R})
     """
     return assert_type(tensor, _overridden(_local_or_shards(source), overrides),
-                       partition_spec=_typed_partition_spec(source))
+                       partition_spec=get_partition_spec(source))
 
 
 def assert_local_type(tensor: T, type: TypeSpec) -> T:  # noqa: A002 - the published API's parameter name
@@ -198,6 +205,8 @@ def _overridden(types: dict, overrides: Any) -> dict:
 
 
 def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
+    if isinstance(source, NdimWithSpmdType):  # a rules value: its regions' types
+        return dict(source.local_type or {})
     if getattr(source, "_spmd_types", None) is None:
         if STATE.checking:
             raise TypeError("assert_type_like: the source tensor is untyped; type it first")

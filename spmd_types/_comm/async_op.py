@@ -1,4 +1,5 @@
-"""``async_op=True`` on the typed ops: the published API's deferred wait.
+"""What every typed op does first: ``async_op=`` (the published API's deferred wait), and, with no mesh current,
+the mesh its typed input was typed on (``_core/implicit_mesh.py``).
 
 A functional collective's result is a tensor whose wait can be deferred
 (torch's ``AsyncCollectiveTensor``): the first op that reads it waits, so the
@@ -15,6 +16,8 @@ import functools
 import inspect
 from typing import Any, Callable, TypeVar
 
+from .._core.implicit_mesh import mesh_of_space
+from .._core.mesh import current_mesh, set_current_mesh
 from .._core.state import STATE
 from . import impl
 
@@ -28,6 +31,11 @@ def takes_async_op(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if STATE.checking and args and current_mesh() is None:  # typed by groups alone: its own mesh
+            own = mesh_of_space(getattr(getattr(args[0], "_spmd_types", None), "space", None))
+            if own is not None:
+                with set_current_mesh(own):
+                    return wrapper(*args, async_op=async_op, **kwargs)
         if async_op is False:
             return fn(*args, **kwargs)
         if not isinstance(async_op, bool):

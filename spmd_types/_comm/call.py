@@ -22,8 +22,7 @@ from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
 from .._core.errors import RedistributeError, Rejection, SpmdTypeError, user_source_line
-from .._core.implicit_mesh import mesh_of_space
-from .._core.mesh import current_mesh, resolve_axis, set_current_mesh
+from .._core.mesh import current_mesh, resolve_axis
 from .._core.spaces import move_types
 from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
@@ -267,19 +266,7 @@ class Begun(NamedTuple):
 
 
 def begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str = "sum") -> Begun:
-    """Validate the arguments every op shares; raise before any communication.
-
-    With no mesh current, a typed input's own mesh (the axes it was typed on) is the one its axis is read on.
-    """
-    if STATE.checking and current_mesh() is None:
-        own = mesh_of_space(getattr(getattr(x, "_spmd_types", None), "space", None))
-        if own is not None:
-            with set_current_mesh(own):
-                return _begin(op, x, axis, src, dst, reduce)
-    return _begin(op, x, axis, src, dst, reduce)
-
-
-def _begin(op: str, x: Any, axis: Any, src: Any, dst: Any, reduce: str) -> Begun:
+    """Validate the arguments every op shares; raise before any communication."""
     opname = f"spmd.{op}"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{opname} takes a tensor, got {type(x).__name__}")

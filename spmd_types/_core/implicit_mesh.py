@@ -16,7 +16,7 @@ from typing import Any, Iterable
 from .axes import MeshAxis, region_of_group
 from .mesh import Mesh, current_mesh
 
-__all__ = ["mesh_of_keys", "mesh_of_space"]
+__all__ = ["mesh_of_keys", "mesh_of_space", "mesh_of_values"]
 
 
 def _is_region_key(key: Any) -> bool:
@@ -88,3 +88,25 @@ def _cached(keys: tuple) -> Mesh:
         except TypeError:
             pass
     return found
+
+
+def mesh_of_values(values: Iterable[Any], declarations: Any = ()) -> Mesh | None:
+    """With no mesh current: the mesh the first typed value was typed on, else the one the type dicts in
+    ``declarations`` (nested lists, ``(types, spec)`` pairs) make together; None when neither gives one."""
+    for v in values:
+        found = mesh_of_space(getattr(getattr(v, "_spmd_types", None), "space", None))
+        if found is not None:
+            return found
+    keys: dict = {}
+    _collect_keys(declarations, keys)
+    return mesh_of_keys(keys) if keys else None
+
+
+def _collect_keys(decl: Any, into: dict) -> None:
+    if isinstance(decl, dict):
+        into.update(dict.fromkeys(decl))
+    elif hasattr(decl, "local_type"):  # a whole spmd.SpmdType
+        _collect_keys(dict(decl.local_type), into)
+    elif isinstance(decl, (list, tuple)):
+        for d in decl:
+            _collect_keys(d, into)
