@@ -128,10 +128,14 @@ _INTEROP = {
     "spmd_type_to_dtensor_placement": "published", "dtensor_placement_to_spmd_type": "published",
     "spmd_redistribute": "published",
 }
-__all__ += list(_INTEROP)
+__all__ += list(_INTEROP) + ["rulecheck"]
 
 
 def __getattr__(name: str):
+    if name == "rulecheck":  # spmd.rulecheck(...), loaded on first use (it imports spmd_types.testing)
+        import importlib
+
+        return importlib.import_module(".rulecheck", __name__)
     module = _INTEROP.get(name)
     if module is None:
         raise AttributeError(f"module 'spmd_types' has no attribute {name!r}")

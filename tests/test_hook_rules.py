@@ -257,3 +257,49 @@ def test_collective_rules(global_ranks):
     with pytest.raises(spmd.SpmdTypeError) as info:
         rules.all_gather(x, "tp", src=S(0), dst=P)
     assert str(info.value) == "rules.all_gather: no src=S(0) -> dst=P (allowed: V -> R, V -> I)"
+
+
+# ---------------------------------------------------------------------------
+# rulecheck: a hook against its kernel
+
+
+class SumsOverGroup(torch.autograd.Function):
+    """x @ w.T with the contraction's sum finished by a raw all-reduce; the hook says so."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        y = x @ weight.t()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        raise NotImplementedError
+
+    @staticmethod
+    def spmd_typecheck(*, x, weight, group):
+        return rules.all_reduce(rules.einsum("mk,nk->mn", x, weight), group, src=P, dst=R)
+
+
+class ForgetsTheSum(SumsOverGroup):
+    """The same kernel with a hook that claims the local product is already the whole product."""
+
+    @staticmethod
+    def spmd_typecheck(*, x, weight, group):
+        return rules.einsum("mk,nk->mn", x, weight)
+
+
+def test_rulecheck_checks_a_hook_against_its_kernel():
+    x, w = torch.randn(4, 6), torch.randn(2, 6)
+    report = spmd.rulecheck(SumsOverGroup, (x, w, "tp"))  # spmd.rulecheck is callable, as the module is
+    assert {"x": {"tp": S(1)}, "weight": {"tp": S(1)}} in report.checked
+    assert {"x": {"tp": S(0)}, "weight": {"tp": R}} in [r.placement for r in report.rejected]
+    assert all(isinstance(r.reason, str) and r.reason for r in report.rejected)
+    from spmd_types.rulecheck import RuleCheckError, rulecheck
+
+    assert rulecheck(SumsOverGroup, (x, w, "tp"), {"x": {"tp": S(1)}, "weight": {"tp": S(1)}}, mesh={"tp": 2}) is None
+    with pytest.raises(RuleCheckError) as info:
+        rulecheck(ForgetsTheSum, (x, w, "tp"), {"x": {"tp": R}, "weight": {"tp": R}}, mesh={"tp": 2})
+    assert str(info.value).startswith(  # every rank holds 2 x (x @ w.T): R, but not the product
+        "ForgetsTheSum output 0 under {'x': {'tp': R}, 'weight': {'tp': R}}: the hook's types reassemble to values "
+        "that differ from the kernel on the global inputs (max abs diff ")
