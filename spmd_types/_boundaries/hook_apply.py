@@ -5,9 +5,11 @@ hook then names the forward arguments it needs as keyword-only parameters
 (bound by name from ``forward``'s signature, ``ctx`` left out) and either
 returns the output type(s) (usually composed with ``spmd_types.rules``), which
 are given to the outputs, or takes the outputs as a leading positional
-parameter and types them itself. Every tensor argument must reach a rule, an
-``assert_type`` or ``rules.ignore``, and every tensor output must end up
-typed; otherwise ``SpmdTypeError`` names what was missed.
+parameter and types them itself. Every tensor output must end up typed; in a
+hook that uses ``rules`` (the published 0.3 form) every tensor argument must
+also reach a rule, an ``assert_type``, a read of its type or ``rules.ignore``
+(a 0.2.5-style hook of asserts alone is not held to that); otherwise
+``SpmdTypeError`` names what was missed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from .._core.errors import SpmdTypeError
-from .._core.phantom import COVERAGE, NdimWithSpmdType
+from .._core.phantom import COVERAGE, RULES_USED, NdimWithSpmdType
 from .hook_rules import output
 
 __all__ = ["run_spmd_typecheck", "bind_forward_args", "hook_shape", "hook_kwargs", "tensors_in"]
@@ -96,8 +98,9 @@ def run_spmd_typecheck(cls: type, real_apply: Callable[[], Any], args: tuple, kw
     return outputs
 
 
-def _check_coverage(who: str, forward_args: dict[str, Any], touched: set[int], outputs: Any) -> None:
-    for name, value in forward_args.items():
+def _check_coverage(who: str, forward_args: dict[str, Any], touched: set, outputs: Any) -> None:
+    """Outputs typed; and, in a hook that uses ``rules`` (the published 0.3 form), every tensor argument used."""
+    for name, value in forward_args.items() if RULES_USED in touched else ():
         if any(id(t) not in touched for t in tensors_in(value)):
             raise SpmdTypeError(f"{who}: tensor argument {name!r} was not accounted for: pass it to the rules "
                                 f"operation that consumes it, assert_type it, or declare rules.ignore({name}) if the "

@@ -89,7 +89,7 @@ def einsum(equation: str, *operands: Any, linear_in: Sequence[Any] = (), out: to
         y = rules.einsum("mk,nk->mn", x, weight)
         y = rules.einsum("mn,mn->mn", a, b, linear_in=((0, 1),))   # an add: a P passes through both
     """
-    touch(*operands)
+    touch(*operands, rule=True)
     values = [typed_value(v, f"rules.einsum: {equation!r}: operand {i}") for i, v in enumerate(operands)]
     ndim, local, dims = einsum_type(equation, values, linear_in, global_axes)
     return _finish(make(ndim, local, dims), out)
@@ -105,7 +105,7 @@ def _finish(result: NdimWithSpmdType, out: Any) -> Any:
 def _transition(op: str, x: Any, axis: Any, src: Any, dst: Any) -> tuple[int, dict, list, Any, AxisType, AxisType]:
     """The checks every type-only collective shares: the pair is in seed 003's table, and ``x`` is ``src``."""
     what = f"rules.{op}"
-    touch(x)
+    touch(x, rule=True)
     src = check_type_value(src, f"{what}: src")
     dst = check_type_value(dst, f"{what}: dst")
     table_src = V if src.is_varying else src
@@ -196,7 +196,7 @@ def convert(x: Any, axis: Any, *, src: Any, dst: Any, out: Any = None) -> Any:
 
 def ignore(*tensors: Any) -> None:
     """Declare tensors the forward value does not depend on (saved for backward only): they are covered."""
-    touch(*tensors)
+    touch(*tensors, rule=True)
 
 
 def output(out: Any, typed: Any) -> None:

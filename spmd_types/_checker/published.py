@@ -14,7 +14,7 @@ from typing import Any, Mapping, TypeVar
 import torch
 
 from .._core.mesh import current_mesh
-from .._core.phantom import NdimWithSpmdType
+from .._core.phantom import NdimWithSpmdType, touch
 from .._core.spec import Spec, axes_of, to_partition_spec
 from .._core.state import STATE
 from .._core.types import Shard, SpmdType, TypeMap, V
@@ -46,6 +46,7 @@ def get_local_type(value: Any) -> dict[Any, SpmdType]:
         out_types = {**spmd.get_local_type(x), spmd.MeshAxis.of(tp_group): spmd.S(1)}  # x's types, tp changed
     """
     t = value
+    touch(t)  # inside a Function's hook, reading a type accounts for the tensor
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_local_type(t)  # presented on the current mesh
     if isinstance(t, NdimWithSpmdType):
@@ -80,6 +81,7 @@ def get_partition_spec(tensor: Any) -> Any:
             spmd.get_partition_spec(x)   # PartitionSpec(tp, None)
     """
     t = tensor
+    touch(t)
     if getattr(t, "_spmd_types", None) is not None:
         return _typed_partition_spec(t)
     if isinstance(t, NdimWithSpmdType):

@@ -423,6 +423,9 @@ def resolve_axis(axis: Axis) -> str:
             )
         name = axis_key_name(axis)
         if name not in mesh.groups:
+            group = group_named(name)  # a process group's registered name (torchtitan passes group_name)
+            if group is not None:
+                return resolve_axis(group)
             known = ", ".join(repr(a) for a in mesh.axis_names)
             raise ValueError(f"unknown mesh axis {name!r}; the current mesh has axes {known}")
         return name
@@ -470,6 +473,9 @@ def _resolve_in(mesh: Mesh, axis: Any, what: str) -> tuple[str, ...]:
     if isinstance(axis, str):
         name = axis_key_name(axis)
         if name not in mesh.groups:
+            group = group_named(name)
+            if group is not None:
+                return _resolve_in(mesh, group, what)
             known = ", ".join(repr(a) for a in mesh.axis_names)
             raise ValueError(f"unknown mesh axis {name!r}; the current mesh has axes {known}")
         return (name,) if mesh.sizes()[name] > 1 else ()
@@ -490,6 +496,16 @@ def _resolve_in(mesh: Mesh, axis: Any, what: str) -> tuple[str, ...]:
             f"current mesh ({', '.join(f'{n}={mesh.region(n).layout_str()}' for n in mesh.typed_axes)})"
         )
     return found
+
+
+def group_named(name: str) -> dist.ProcessGroup | None:
+    """The process group registered under ``name`` (``group.group_name``), or None."""
+    if not dist.is_available() or not dist.is_initialized() or not name:
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception:  # no group by that name
+        return None
 
 
 def _register_extra_axis(mesh: Mesh, name: str, group: dist.ProcessGroup) -> None:

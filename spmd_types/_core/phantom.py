@@ -4,8 +4,8 @@ Hooks written with ``spmd_types.rules`` compute types with no data:
 every rules operation returns one of these. ``get_local_type``,
 ``get_partition_spec`` and ``assert_type_like`` read it as they read a typed
 tensor. The coverage stack records which tensors a running hook has used
-(every tensor argument of a Function's forward must reach a rule, an
-``assert_type`` or ``rules.ignore``).
+(in a hook that uses ``rules``, every tensor argument of the Function's forward
+must reach a rule, an ``assert_type``, a type read or ``rules.ignore``).
 
 Example::
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["NdimWithSpmdType", "touch", "COVERAGE"]
+__all__ = ["NdimWithSpmdType", "touch", "COVERAGE", "RULES_USED"]
 
 
 class NdimWithSpmdType:
@@ -59,12 +59,17 @@ class _Coverage(threading.local):
 COVERAGE = _Coverage()
 
 
-def touch(*values: Any) -> None:
-    """Mark values as used by the running hook (no effect when no hook is running)."""
+RULES_USED = "rules"  # in a hook's coverage set: the hook used a rules operation, so its coverage is checked
+
+
+def touch(*values: Any, rule: bool = False) -> None:
+    """Mark values as used by the running hook (no effect when no hook is running); ``rule``: by a rules op."""
     if COVERAGE.stack:
         touched = COVERAGE.stack[-1]
         for v in values:
             touched.add(id(v))
+        if rule:
+            touched.add(RULES_USED)  # type: ignore[arg-type]
 
 
 def assert_phantom(value: NdimWithSpmdType, types: Any, partition_spec: Any) -> NdimWithSpmdType:

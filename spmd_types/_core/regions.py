@@ -28,5 +28,11 @@ def normalize_axis(axis: Any) -> MeshAxis:
         return axis
     if isinstance(axis, str):
         mesh = current_mesh()
+        if mesh is None or axis not in mesh.groups:  # a process group's registered name, if it is one
+            from .mesh import group_named
+
+            group = group_named(axis)
+            if group is not None:
+                return region_of_group(group)
         return mesh.region(resolve_axis(axis))  # type: ignore[union-attr]
     return region_of_group(axis)
