@@ -258,3 +258,13 @@ def test_register_local_backward_hook_declares_and_returns_the_hook(ranks):
     with pytest.raises(TypeError) as info:
         spmd.register_local_backward_hook(3)
     assert str(info.value) == "register_local_backward_hook takes a hook function, got 3"
+
+
+def test_all_to_all_with_one_shard_side_uses_the_published_dims(ranks):
+    """``src=S(i), dst=V`` splits dim i and joins on dim 0; ``src=V, dst=S(j)`` splits dim 0 and joins on dim j."""
+    x = spmd.assert_type(per_rank(lambda r: torch.arange(2.0 * 8).reshape(2, 8) + 100 * r), {"tp": S(1)})
+    y = spmd.all_to_all(x, "tp", src=S(1), dst=V)
+    assert y.shape == (2 * N, 2) and spmd.get_type(y) == {"tp": V}
+    assert torch.equal(_values(y)[1], torch.cat([_values(x)[j][:, 2:4] for j in range(N)], 0))
+    back = spmd.all_to_all(y, "tp", src=V, dst=S(1))
+    assert back.shape == (2, 8) and all(torch.equal(a, b) for a, b in zip(_values(back), _values(x)))

@@ -44,7 +44,7 @@ from .erased import erased, remember_erased
 from .kernels import keeps_shards
 from .redistribute_spec import redistribute_spec
 from .reinterpret_convert import convert
-from .stacking import check_one_per_rank, stacked_input
+from .stacking import check_one_per_rank, stacked_input, uneven_splits
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
 
@@ -436,9 +436,11 @@ def all_to_all(
     """Split ``x`` on ``split_dim`` into one piece per rank, send piece j to rank j, concatenate on ``concat_dim``.
 
     ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
-    dim j (``concat_dim=i``, ``split_dim=j``). With plain V the dims default to
-    0; on two different dims, V -> V unbinds ``split_dim`` (one entry per rank)
-    and stacks what arrives on ``concat_dim``. ``input_split_sizes`` / ``output_split_sizes`` (V or S(0), dim 0;
+    dim j (``concat_dim=i``, ``split_dim=j``). With one V side, as the published
+    API reads it, ``src=S(i)`` splits dim i and ``dst=S(j)`` joins on dim j (the
+    other dim 0 unless given). With plain V the dims default to 0; on two
+    different dims, V -> V unbinds ``split_dim`` (one entry per rank) and stacks
+    what arrives on ``concat_dim``. ``input_split_sizes`` / ``output_split_sizes`` (V or S(0), dim 0;
     a side not given is even) send
     ``input_split_sizes[j]`` rows to rank j and receive ``output_split_sizes[j]``
     from it (MoE token routing); the backward swaps them.
@@ -473,10 +475,14 @@ def all_to_all(
         call = Call("all_to_all", V, V, comm, split_dim=s, concat_dim=s,
                     dtypes=for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options))
         return finish(begun, call, x).movedim(s, c)
-    concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
-    split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
-    concat, split = 0 if concat is None else concat, 0 if split is None else split  # V -> V: dim 0 by default
-    splits = _uneven_splits(begun, x, input_split_sizes, output_split_sizes, split, concat)
+    if (begun.src is V) != (begun.dst is V):  # one S(d) side: it names the dim split (src) or joined (dst)
+        split = _varying_dim(opname, "src", begun.src, split_dim, "split_dim", ndim)
+        concat = _varying_dim(opname, "dst", begun.dst, concat_dim, "concat_dim", ndim)
+    else:  # S(i) -> S(j): shards of dim i become shards of dim j (concat i, split j)
+        concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
+        split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
+    concat, split = 0 if concat is None else concat, 0 if split is None else split  # a V side: dim 0 by default
+    splits = uneven_splits(begun, x, input_split_sizes, output_split_sizes, split, concat)
     if splits is None and not keeps_shards(begun.src, begun.dst):
         _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
     dtypes = for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options)
@@ -485,33 +491,6 @@ def all_to_all(
     out = finish(begun, call, x)
     remember_erased(x, fast_args, op_dtype, out_dtype, backward_options, call)
     return out
-
-
-def _uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, split: int,
-                   concat: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Checked ``(input_split_sizes, output_split_sizes)``, or None for even pieces."""
-    if inputs is None and outputs is None:
-        return None
-    opname, comm = begun.opname, begun.comm
-    if split != 0 or concat != 0:
-        raise ValueError(f"{opname}: uneven pieces (input_split_sizes=, output_split_sizes=) are rows of dim 0: "
-                         f"src and dst V or S(0); got src={begun.src}, dst={begun.dst}")
-    even = [x.shape[0] // comm.size] * comm.size  # the side not given: even pieces, as the published API
-    found = []
-    for name, sizes in (("input_split_sizes", inputs if inputs is not None else even),
-                        ("output_split_sizes", outputs if outputs is not None else even)):
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-            raise TypeError(f"{opname}: {name}= takes one size per rank, got {sizes!r}")
-        sizes = tuple(sizes)
-        if len(sizes) != comm.size:
-            raise ValueError(f"{opname}: {name}= gives one size per rank of axis {comm.label} ({comm.size} ranks), "
-                             f"got {len(sizes)}")
-        found.append(sizes)
-    total = sum(found[0])
-    if isinstance(total, int) and isinstance(x.shape[0], int) and total != x.shape[0]:
-        raise ValueError(f"{opname}: input_split_sizes={list(found[0])} add up to {total}, but dim 0 has "
-                         f"size {x.shape[0]}")
-    return found[0], found[1]
 
 
 # ---------------------------------------------------------------------------

@@ -12,11 +12,13 @@ differentiable tensor ops, so the backward follows.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 
-from .call import norm_dim
+from .call import Begun, norm_dim
 
-__all__ = ["stacked_input", "check_one_per_rank"]
+__all__ = ["stacked_input", "check_one_per_rank", "uneven_splits"]
 
 
 def stacked_input(opname: str, x: torch.Tensor, gather_dim: int) -> tuple[torch.Tensor, int]:
@@ -38,3 +40,30 @@ def check_one_per_rank(opname: str, x: torch.Tensor, dim_name: str, d: int, size
             f"rank of axis {label} ({size}); got shape {list(x.shape)}"
         )
     return d
+
+
+def uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, split: int,
+                   concat: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Checked ``(input_split_sizes, output_split_sizes)``, or None for even pieces."""
+    if inputs is None and outputs is None:
+        return None
+    opname, comm = begun.opname, begun.comm
+    if split != 0 or concat != 0:
+        raise ValueError(f"{opname}: uneven pieces (input_split_sizes=, output_split_sizes=) are rows of dim 0: "
+                         f"src and dst V or S(0); got src={begun.src}, dst={begun.dst}")
+    even = [x.shape[0] // comm.size] * comm.size  # the side not given: even pieces, as the published API
+    found = []
+    for name, sizes in (("input_split_sizes", inputs if inputs is not None else even),
+                        ("output_split_sizes", outputs if outputs is not None else even)):
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise TypeError(f"{opname}: {name}= takes one size per rank, got {sizes!r}")
+        sizes = tuple(sizes)
+        if len(sizes) != comm.size:
+            raise ValueError(f"{opname}: {name}= gives one size per rank of axis {comm.label} ({comm.size} ranks), "
+                             f"got {len(sizes)}")
+        found.append(sizes)
+    total = sum(found[0])
+    if isinstance(total, int) and isinstance(x.shape[0], int) and total != x.shape[0]:
+        raise ValueError(f"{opname}: input_split_sizes={list(found[0])} add up to {total}, but dim 0 has "
+                         f"size {x.shape[0]}")
+    return found[0], found[1]
