@@ -268,3 +268,17 @@ def test_all_to_all_with_one_shard_side_uses_the_published_dims(ranks):
     assert torch.equal(_values(y)[1], torch.cat([_values(x)[j][:, 2:4] for j in range(N)], 0))
     back = spmd.all_to_all(y, "tp", src=V, dst=S(1))
     assert back.shape == (2, 8) and all(torch.equal(a, b) for a, b in zip(_values(back), _values(x)))
+
+
+def test_a_second_assert_outside_typecheck_adds_its_axes():
+    """As on a typed tensor, an assert names some axes and leaves the others: outside ``typecheck()`` the record of a
+    second assert joins the first's (the published API merges them)."""
+    with simulate((2, 2), ("dp", "tp")) as mesh:
+        dp, tp = mesh.get_group("dp"), mesh.get_group("tp")
+    x = torch.randn(4)
+    spmd.assert_type(x, {dp: R})
+    spmd.assert_type(x, {tp: I})
+    assert spmd.get_local_type(x) == {spmd.MeshAxis.of(dp): R, spmd.MeshAxis.of(tp): I}
+    y = torch.randn(3, 4)
+    spmd.assert_type(y, {}, PS(None, tp))  # a spec alone: its axis is V
+    assert spmd.get_axis_local_type(y, tp) is V

@@ -26,7 +26,7 @@ from .._guards.optim_checks import name_parameters
 from .._guards.transforms import compiling, forget_refused_frames, refuse_compile
 from .._local.transitions import route_call
 from .foreach import single_form  # noqa: F401  (importing it registers the multi-tensor kernels' rules)
-from .latent import apply_remembered, remember
+from .latent import apply_remembered, remember, remembered
 from .reading import (  # noqa: F401 - the readers are re-exported here, beside assert_type
     by_region,
     get_axis_local_type,
@@ -286,6 +286,8 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
     if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
         types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
     if not STATE.checking:
+        if type(types) is dict and remembered(t) is not None:  # asserted again: the new axes join the record
+            types, partition_spec = _joined_record(remembered(t), types, partition_spec)
         return remember(t, types, partition_spec)  # applied when typecheck() starts; t stays plain
     if compiling():  # torch.compile is tracing typed code: refuse with the one clear error
         refuse_compile()
@@ -335,6 +337,15 @@ def _published_type(types: Any, published: dict) -> Any:
     if types is not None:
         raise TypeError("assert_type: the type is given twice, by position and as type=")
     return published["type"]
+
+
+def _joined_record(record: tuple, types: dict, partition_spec: Any) -> tuple[Any, Any]:
+    """A second assert outside typecheck(): the axes it names join the first's (as on a typed tensor, where an
+    assert checks the axes it names and leaves the others)."""
+    old_types, old_spec = record[0], record[1]
+    if type(old_types) is not dict:
+        return types, partition_spec
+    return {**old_types, **types}, partition_spec if partition_spec is not None else old_spec
 
 
 def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:

@@ -13,13 +13,14 @@ from typing import Any, Mapping, TypeVar
 
 import torch
 
+from .._core.implicit_mesh import mesh_of_keys
 from .._core.mesh import current_mesh
 from .._core.phantom import NdimWithSpmdType, touch
 from .._core.spec import Spec, axes_of, to_partition_spec
 from .._core.state import STATE
-from .._core.types import Shard, SpmdType, TypeMap, V
+from .._core.types import AxisType, Shard, SpmdType, TypeMap, V
 from .asserts import TypeSpec, _placed_and_given, assert_type
-from .latent import remembered
+from .latent import remember, remembered
 from .reading import by_region, present
 from .reading import get_axis_local_type as _typed_axis
 from .reading import get_local_type as _typed_local_type
@@ -124,12 +125,14 @@ def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None, dict] | Mapping | N
         return None
     types, spec, mesh, _ = record
     if mesh is None:
-        mesh = current_mesh()
+        mesh = current_mesh() or mesh_of_keys(types, spec)  # typed by groups alone: the mesh they make
         if mesh is None:
             return types if isinstance(types, Mapping) else None
     from .._core.mesh import set_current_mesh
 
     with set_current_mesh(mesh):
+        if isinstance(types, AxisType):  # a bare type: every axis of the mesh it was given under
+            types = {a: types for a in mesh.typed_axes}
         return _placed_and_given(t, types, spec)
 
 
@@ -236,7 +239,7 @@ def mutate_remembered(tensor: torch.Tensor, axis: Any, src: Any, dst: Any) -> to
                 raise SpmdTypeError(f"spmd.mutate_type's src= must be the tensor's type: src={s}, but the tensor is "
                                     f"{have.get(region)} on axis {region!r}.")
         new = {**have, **{region: (V if d.is_varying else d) for region, _, d in pairs}}
-        assert_type(tensor, *_with_layout(new, get_partition_spec(tensor)))  # checking is off: a new record
+        remember(tensor, *_with_layout(new, get_partition_spec(tensor)))  # checking is off: the record replaced
     return tensor
 
 
