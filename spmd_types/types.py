@@ -114,7 +114,9 @@ def normalize_partition_spec(spec: Any) -> PartitionSpec:
         spmd.normalize_partition_spec(spmd.PartitionSpec("tp", None))   # PartitionSpec(tp, None), tp a MeshAxis
     """
     entries: list[Any] = []
-    for entry in spec:
+    for d, entry in enumerate(spec):
+        if isinstance(entry, tuple) and not entry:
+            raise ValueError(f"normalize_partition_spec: entry {d} is an empty tuple; a dim nothing shards is None")
         axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
         regions = tuple(r for r in (normalize_axis(a) for a in axes) if r.size() > 1)
         entries.append(None if not regions else regions[0] if len(regions) == 1 else regions)

@@ -282,3 +282,12 @@ def test_a_second_assert_outside_typecheck_adds_its_axes():
     y = torch.randn(3, 4)
     spmd.assert_type(y, {}, PS(None, tp))  # a spec alone: its axis is V
     assert spmd.get_axis_local_type(y, tp) is V
+
+
+def test_reinterpret_and_convert_to_the_same_type_return_the_tensor(ranks):
+    """The published API's no-op: ``src == dst`` gives ``x`` back (its type still checked against ``src``)."""
+    x = spmd.assert_type(torch.randn(4), {"tp": R})
+    assert spmd.reinterpret(x, "tp", src=R, dst=R) is x and spmd.convert(x, "tp", src=R, dst=R) is x
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        spmd.convert(x, "tp", src=I, dst=I)
+    assert info.value.rule == "spmd.convert's src= must be the input's type on the axis: src=I, but the tensor is R on axis 'tp'."

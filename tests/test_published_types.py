@@ -164,3 +164,10 @@ def test_a_device_mesh_names_its_axes_by_group_desc():
     mesh = fake_mesh((2, 4), ("dp", "tp"))
     names = spmd.MeshAxis.of(mesh.get_group("dp")).names
     assert any(n.startswith("mesh_dp") for n in names)
+
+
+def test_enum_members_and_empty_spec_entries(dp_cp_tp):
+    assert spmd.PerMeshAxisLocalSpmdType.R is R and spmd.PerMeshAxisLocalSpmdType.P is P
+    with pytest.raises(ValueError) as info:
+        spmd.normalize_partition_spec(PS((), "tp"))
+    assert str(info.value) == "normalize_partition_spec: entry 0 is an empty tuple; a dim nothing shards is None"

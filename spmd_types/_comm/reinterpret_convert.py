@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
-from .._core.types import SpmdType, V, base_type
+from .._core.types import AxisType, SpmdType, V, base_type
 from .async_op import takes_async_op
 from .call import Call, begin, check_sizes, finish, norm_dim
 from .dtypes import for_call
@@ -50,6 +50,8 @@ def reinterpret(
 
         out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
     """
+    if src is dst and isinstance(src, AxisType):  # no change (the published API returns x): src still checked
+        return same_type("spmd.reinterpret", x, axis, src, (op_dtype, out_dtype, backward_options))
     fast_args = ("reinterpret", axis, src, dst)
     hit = erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -98,6 +100,8 @@ def convert(
 
         w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
     """
+    if src is dst and isinstance(src, AxisType):  # no change (the published API returns x): src still checked
+        return same_type("spmd.convert", x, axis, src, (op_dtype, out_dtype, backward_options))
     fast_args = None if sizes is not None else ("convert", axis, src, dst)
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -142,3 +146,19 @@ def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: An
             f"{label}; {length} is not divisible by {n}. Pass sizes= (one per rank) for uneven shards."
         )
     return dim
+
+
+def same_type(opname: str, x: torch.Tensor, axis: Any, t: AxisType, options: tuple) -> torch.Tensor:
+    """``src == dst``: ``x`` itself once ``src`` is checked against its type (cast if ``op_dtype`` / ``out_dtype``)."""
+    from .call import Begun, check_input, resolve_comm
+    from .dtypes import for_call as plan_for
+
+    if is_dtensor(x):
+        return x
+    comm = resolve_comm(opname, axis)
+    begun = Begun(opname, t, t, comm, check_input(opname, x, comm, t, t))
+    plan = plan_for(begun, opname.split(".")[-1], x, *options, reduces_back=False, keeps_input=False)
+    if plan is None:
+        return x
+    x = x if plan.op is None else x.to(plan.op)
+    return x if plan.out is None else x.to(plan.out)

@@ -153,6 +153,10 @@ Replicate = R
 Invariant = I
 Varying = V
 Partial = P
+# the published API's enum members: PerMeshAxisLocalSpmdType.R is spmd.R
+for _t in (R, I, V, P):
+    setattr(PerMeshAxisLocalSpmdType, _t.name, _t)
+del _t
 
 class Shard(AxisType):
     """``S(d)``: V whose shards concatenate on tensor dim ``d``; ``Shard(d) is S(d)`` (one object per dim).
