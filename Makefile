@@ -31,7 +31,7 @@ $(VENV214)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV214)
 	$(BIN214)/pip install -q --upgrade pip
 	$(BIN214)/pip install -q torch==2.14.1
-	$(BIN214)/pip install -q -e '.[test]'
+	$(BIN214)/pip install -q -e '.[test,docs]'
 	$(BIN214)/pip install -q --no-deps $(TORCHTITAN)
 	# what torchtitan's own trainer imports (tests/test_torchtitan_trainer.py runs `torchtitan.train` under torchrun)
 	$(BIN214)/pip install -q $(TRAINER_DEPS)

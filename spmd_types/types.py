@@ -13,13 +13,15 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Iterable, Protocol, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
 from ._core.axes import MeshAxis
-from ._core.errors import SpmdTypeError
+from ._core.errors import DTensorPropagationError, RedistributeError, SpmdTypeError
+from ._core.regions import normalize_axis
 from ._core.types import (
+    AxisType,
     I,
     Invariant,
     P,
@@ -35,6 +37,7 @@ from ._core.types import (
     Varying,
     backward_type,
 )
+from ._core.whole_type import TensorSpmdType, merge_types
 
 __all__ = [
     "R", "I", "V", "P", "S", "Shard", "Replicate", "Invariant", "Varying", "Partial",
@@ -42,10 +45,12 @@ __all__ = [
     "DeviceMeshAxis", "PartitionSpec", "PartitionSpecEntry", "DimSharding", "TensorSharding", "MeshAxis",
     "SpmdTypeError", "backward_type", "normalize_axis", "normalize_mesh", "normalize_partition_spec", "format_axis",
     "partition_spec_to_shard_types", "shard_types_to_partition_spec", "partition_spec_get_shard",
+    "AxisType", "TensorSpmdType", "merge_types", "PerMeshAxisSpmdTypesArg", "to_local_type", "normalize_local_type",
+    "normalize_dim_sharding", "RedistributeError", "DTensorPropagationError",
 ]
 
-PerMeshAxisSpmdType = SpmdType
-"""One axis's type: R, I, V, P or S(d) (the published name of :class:`SpmdType`)."""
+PerMeshAxisSpmdType = AxisType
+"""One axis's type: R, I, V, P or S(d) (the published name of :class:`AxisType`)."""
 
 DeviceMeshAxis = Union[str, dist.ProcessGroup, MeshAxis]
 """An axis as a type dict's key: a name (str or StrEnum), a ProcessGroup or a MeshAxis."""
@@ -55,6 +60,18 @@ PerMeshAxisSpmdTypes = Dict[Any, SpmdType]
 
 LocalSpmdType = Dict[Any, PerMeshAxisLocalSpmdType]
 """A type dict of local types only ``{axis: R | I | V | P}`` as ``get_local_type`` returns it."""
+
+class PerMeshAxisSpmdTypesArg(Protocol):
+    """What ``assert_type`` takes as a type dict: anything with ``items()`` of (axis, type) pairs.
+
+    Example::
+
+        def annotate(x: torch.Tensor, types: PerMeshAxisSpmdTypesArg) -> torch.Tensor:
+            return spmd.assert_type(x, types)
+    """
+
+    def items(self) -> Iterable[Tuple[Any, AxisType]]: ...
+
 
 PartitionSpecEntry = Union[Any, Tuple[Any, ...], None]
 """One PartitionSpec entry: None, an axis, or a tuple of axes."""
@@ -79,24 +96,6 @@ class TensorSharding(tuple):
         return "TensorSharding(" + ", ".join(repr(d) for d in self) + ")"
 
 
-def normalize_axis(axis: Any) -> MeshAxis:
-    """The :class:`MeshAxis` (region of ranks) an axis stands for: a name of the current mesh, a group, a MeshAxis.
-
-    Example::
-
-        spmd.normalize_axis("tp") == spmd.MeshAxis.of(tp_group)   # True
-    """
-    from ._core.axes import region_of_group
-    from ._core.mesh import current_mesh, resolve_axis
-
-    if isinstance(axis, MeshAxis):
-        return axis
-    if isinstance(axis, str):
-        mesh = current_mesh()
-        return mesh.region(resolve_axis(axis))  # type: ignore[union-attr]
-    return region_of_group(axis)
-
-
 def normalize_mesh(axes: Any) -> frozenset[MeshAxis]:
     """The axes of more than one rank among ``axes``, as MeshAxis objects (checked to be independent dims)."""
     from ._core.axes import orthogonal
@@ -115,7 +114,9 @@ def normalize_partition_spec(spec: Any) -> PartitionSpec:
         spmd.normalize_partition_spec(spmd.PartitionSpec("tp", None))   # PartitionSpec(tp, None), tp a MeshAxis
     """
     entries: list[Any] = []
-    for entry in spec:
+    for d, entry in enumerate(spec):
+        if isinstance(entry, tuple) and not entry:
+            raise ValueError(f"normalize_partition_spec: entry {d} is an empty tuple; a dim nothing shards is None")
         axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
         regions = tuple(r for r in (normalize_axis(a) for a in axes) if r.size() > 1)
         entries.append(None if not regions else regions[0] if len(regions) == 1 else regions)
@@ -176,6 +177,49 @@ def partition_spec_get_shard(spec: Any, axis: Any) -> Shard | None:
     if spec is None:
         return None
     return partition_spec_to_shard_types(spec).get(normalize_axis(axis))
+
+
+def to_local_type(typ: AxisType) -> PerMeshAxisLocalSpmdType:
+    """The local type a tensor stores for ``t``: V for ``S(d)``, ``t`` itself for R, I, V, P.
+
+    Example::
+
+        to_local_type(spmd.S(1))   # V
+    """
+    from ._core.types import check_type_value
+
+    t = check_type_value(typ, "to_local_type")
+    return V if isinstance(t, Shard) else t  # type: ignore[return-value]
+
+
+def normalize_local_type(spmd_type: Any) -> dict[MeshAxis, PerMeshAxisLocalSpmdType]:
+    """``types`` keyed by :class:`MeshAxis` (names read on the current mesh), axes of one rank dropped.
+
+    Values are R, I, V or P (a ``TypeError`` otherwise); the axes must be
+    independent dims of one mesh (an ``SpmdTypeError`` otherwise).
+
+    Example::
+
+        normalize_local_type({"tp": spmd.R, dp_group: spmd.V})   # {MeshAxis(dp): V, MeshAxis(tp): R}
+    """
+    out: dict[MeshAxis, PerMeshAxisLocalSpmdType] = {}
+    for axis, t in spmd_type.items():
+        if not isinstance(t, PerMeshAxisLocalSpmdType):
+            raise TypeError(f"normalize_local_type: the type on axis {format_axis(axis)} is R, I, V or P, got {t!r}")
+        region = normalize_axis(axis)
+        if region.size() > 1:
+            out[region] = t
+    normalize_mesh(out)
+    return out
+
+
+def normalize_dim_sharding(dim_sharding: DimSharding) -> Sequence[str]:
+    """One :data:`DimSharding` as a sequence of axis names: ``()`` for None, ``("tp",)`` for ``"tp"``."""
+    if dim_sharding is None:
+        return ()
+    if isinstance(dim_sharding, str):
+        return (dim_sharding,)
+    return tuple(dim_sharding)
 
 
 def format_axis(axis: Any) -> str:

@@ -85,7 +85,7 @@ def _apply(row: Transition, layout: str, x: torch.Tensor, axis: str) -> torch.Te
     src, dst = _types(row, layout)
     fn = getattr(local, row.op, None) or getattr(coll, row.op)
     if row.op == "all_to_all" and layout == "stack":
-        return fn(x, axis, src=V, dst=V, split_dim=1, concat_dim=0)
+        return fn(x, axis, src=V, dst=V, split_dim=0, concat_dim=1)  # the published meaning: unbind 0, stack on 1
     return fn(x, axis, src=src, dst=dst)
 
 
@@ -150,16 +150,17 @@ def _check_forward(mesh, axis, row, layout, x, y, src, dst) -> None:
     got = denote(y, mesh, _full(mesh, axis, dst), first=axis)
     if row.op == "all_to_all" and layout == "stack":
         per_slice = want.unbind(0) if mesh.ndim == 2 else [want]  # the other axis (V) is stacked outside
-        want = torch.stack([_all_to_all_spec(w, split_dim=1, concat_dim=0) for w in per_slice])
+        want = torch.stack([_all_to_all_spec(w, split_dim=0, concat_dim=1) for w in per_slice])
         want = want if mesh.ndim == 2 else want[0]
     torch.testing.assert_close(got, want)
 
 
 def _all_to_all_spec(stacked: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
-    """V -> V all_to_all on denotations: rank j gets piece j of every rank's value, concatenated."""
+    """V -> V all_to_all on denotations: rank j gets entry j of split_dim of every rank's value, stacked on
+    concat_dim in rank order."""
     n = stacked.shape[0]
-    pieces = [list(v.chunk(n, split_dim)) for v in stacked.unbind(0)]
-    return torch.stack([torch.cat([pieces[r][j] for r in range(n)], concat_dim) for j in range(n)])
+    return torch.stack([torch.stack([v.select(split_dim, j) for v in stacked.unbind(0)], concat_dim)
+                        for j in range(n)])
 
 
 @pytest.mark.parametrize("world", ["world2", "2x2-tp"], indirect=True)

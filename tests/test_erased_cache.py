@@ -41,7 +41,8 @@ CASES = {
     "all_gather S(0)->R": (lambda x, a: spmd.all_gather(x, a, src=S(0), dst=R), (4, 6)),
     "all_gather S(-1)->I": (lambda x, a: spmd.all_gather(x, a, src=S(-1), dst=I), (4, 6)),
     "all_gather V->R": (lambda x, a: spmd.all_gather(x, a, src=V, dst=R), (4, 6)),
-    "all_gather V->R gather_dim=1": (lambda x, a: spmd.all_gather(x, a, src=V, dst=R, gather_dim=1), (4, 6)),
+    "all_gather V->R gather_dim=1, stacked by an unsqueeze (two calls)": (
+        lambda x, a: spmd.all_gather(x, a, src=V, dst=R, gather_dim=1), (4, 6)),
     "reduce_scatter P->S(0)": (lambda x, a: spmd.reduce_scatter(x, a, src=P, dst=S(0)), (4, 6)),
     "reduce_scatter P->S(1) avg": (lambda x, a: spmd.reduce_scatter(x, a, src=P, dst=S(1), op="avg"), (4, 6)),
     "reduce_scatter P->V": (lambda x, a: spmd.reduce_scatter(x, a, src=P, dst=V), (N, 6)),

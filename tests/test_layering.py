@@ -13,7 +13,7 @@ import pathlib
 PKG = pathlib.Path(__file__).resolve().parents[1] / "spmd_types"
 ROOMS = ["_torch", "_core", "_local", "_global", "_guards", "_checker", "_comm", "_boundaries", "_compile",
          "integrations"]
-PUBLIC = {"__init__", "megatron", "testing", "types", "runtime", "checker",
+PUBLIC = {"__init__", "megatron", "testing", "types", "runtime", "checker", "rules", "rulecheck",
           "_mesh_axis"}  # a private path of the published package that torch 2.14 imports
 # The core's one door upwards: a DTensor met by a core op is handed to the DTensor integration, loaded lazily
 # (the core never imports DTensor itself; see _core/dtensor_hook.py).

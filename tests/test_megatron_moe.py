@@ -77,7 +77,7 @@ def test_an_expert_axis_across_dense_axes_gives_a_finer_layer_mesh(cpu):
     dense, expert = spmd_megatron.mesh(), spmd_megatron.mesh(expert=True)
     assert _ranks(expert) == {"edp": [0, 4], "ep": [0, 1, 2, 3], "etp": [0]}
     layer = spmd_megatron.layer_mesh(dense, expert)
-    assert {n: a.layout() for n, a in layer.items()} == {"edp": "2:4", "ep.dp": "2:2", "tp": "2:1"}
+    assert {n: a.layout_str() for n, a in layer.items()} == {"edp": "2:4", "ep.dp": "2:2", "tp": "2:1"}
     with spmd.set_current_mesh(layer):
         assert spmd_megatron.axes_of_group(ps.get_expert_model_parallel_group()) == ("ep.dp", "tp")
         assert spmd_megatron.axes_of_group(ps.get_data_parallel_group()) == ("edp", "ep.dp")

@@ -12,7 +12,7 @@ import enum
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import by_region
+from conftest import by_region, fake_mesh
 from torch.distributed.device_mesh import init_device_mesh
 
 import spmd_types as spmd
@@ -88,7 +88,7 @@ def test_size_and_sub_regions():
 def test_a_rank_set_no_mesh_dim_describes_is_kept_as_ranks():
     """Found by this test: {0, 1, 3} made from_ranks loop for ever."""
     odd = MeshAxis.from_ranks([10, 11, 13])
-    assert (odd.size(), odd.layout(), repr(odd)) == (3, "{0,1,3}", "MeshAxis({0,1,3})")
+    assert (odd.size(), odd.layout_str(), repr(odd)) == (3, "{0,1,3}", "MeshAxis({0,1,3})")
     assert odd == MeshAxis.from_ranks([0, 1, 3]) and odd != MeshAxis.of(3, 1)
     assert odd.isorthogonal(MeshAxis.of(1, 1)) and not odd.isorthogonal(MeshAxis.of(2, 8))
 
@@ -131,7 +131,7 @@ def test_axes_of_a_device_mesh(cube):
 def test_repr_of_unnamed_regions():
     assert repr(MeshAxis.of(3, 7)) == "MeshAxis(3:7)"  # no mesh ever named it
     assert repr(MeshAxis.of(1, 1)) == "MeshAxis(1:1)"
-    assert MeshAxis.from_ranks([0, 1, 8, 9]).layout() == "(2,2):(8,1)"
+    assert MeshAxis.from_ranks([0, 1, 8, 9]).layout_str() == "(2,2):(8,1)"
 
 
 # ---------------------------------------------------------------------------
@@ -211,12 +211,23 @@ def test_naming_an_axis_the_mesh_lacks(cube):
     assert str(info.value) == "spmd.all_reduce: unknown mesh axis 'xp'; the current mesh has axes 'dp', 'cp', 'tp'"
 
 
-def test_a_type_needs_a_current_mesh():
-    """Here a type covers the axes of a current mesh, so typing needs one, even with groups as keys."""
-    with simulate((2,), ("tp",)) as mesh:
-        tp = mesh.get_group("tp")
-    with spmd.typecheck(), pytest.raises(RuntimeError) as info:
-        spmd.assert_type(torch.randn(2), {tp: R})
+def test_typing_by_groups_alone_makes_the_mesh_of_those_axes():
+    """With no current mesh, a type keyed by groups is on the mesh of the axes it names (the published API's way);
+    a collective on the tensor runs on that mesh. A name still needs a current mesh."""
+    mesh = fake_mesh((2, 4), ("dp", "tp"))  # made, not current
+    dp, tp = mesh.get_group("dp"), mesh.get_group("tp")
+    with spmd.typecheck():
+        x = spmd.assert_type(torch.randn(4), {tp: R})
+        assert spmd.get_local_type(x) == {MeshAxis.of(tp): R}
+        name = repr(MeshAxis.of(tp))  # the name a mesh gave the region, else its group's group_desc
+        assert spmd.get_type(x) == {name: R} and any(n.startswith("mesh_tp") for n in MeshAxis.of(tp).names)
+        y = spmd.assert_type(torch.randn(4), {dp: V, MeshAxis.of(tp): P})
+        assert spmd.get_local_type(y) == {MeshAxis.of(dp): V, MeshAxis.of(tp): P}
+        z = spmd.all_reduce(y, tp, src=P, dst=R)
+        assert spmd.get_local_type(z) == {MeshAxis.of(dp): V, MeshAxis.of(tp): R}
+        assert spmd.get_type(x + x) == {name: R}
+        with pytest.raises(RuntimeError) as info:
+            spmd.assert_type(torch.randn(2), {"tp": R})
     assert str(info.value) == "assert_type needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`"
 
 
@@ -234,21 +245,34 @@ def test_every_key_spelling_types_the_same_axis(cube):
     assert spmd.get_type(mixed) == {"dp": V, "cp": P, "tp": I}
 
 
-def test_the_later_key_wins(cube):
-    """torchtitan's ``{**spmd.get_local_type(x), group: spmd.S(1)}``: the group's entry replaces the name's."""
-    x = spmd.assert_type(torch.randn(4, 6), {"dp": R, "cp": R, "tp": R})
+def test_two_keys_for_one_axis_agree_or_refine_v(cube):
+    """torchtitan's ``{**spmd.get_local_type(x), group: spmd.S(1)}`` refines x's V to S(1); two types for one axis
+    (``{"tp": R, tp_group: V}``) are an error naming the axis."""
+    x = spmd.assert_type(torch.randn(4, 6), {"dp": R, "cp": R, "tp": S(0)})
     out = spmd.assert_type(torch.randn(4, 6), {**spmd.get_local_type(x), cube.get_group("tp"): S(1)})
     assert spmd.get_type(out) == {"dp": R, "cp": R, "tp": S(1)}
-    both = spmd.assert_type(torch.randn(4), {cube.get_group("tp"): V, "tp": I})
-    assert spmd.get_type(both)["tp"] is I
+    same = spmd.assert_type(torch.randn(4), {cube.get_group("tp"): I, "tp": I, "dp": V, "cp": V})
+    assert spmd.get_type(same)["tp"] is I
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        spmd.assert_type(torch.randn(4), {"tp": R, cube.get_group("tp"): V})
+    assert str(info.value) == ("assert_type: axis 'tp' is given two types, R (key 'tp') and V (key ProcessGroup); an "
+                               "axis has one type")
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        spmd.assert_type(torch.randn(4, 6), {**spmd.get_local_type(x), "cp": S(1)})  # R there
+    assert str(info.value) == ("assert_type: axis 'cp' is given two types, R (key MeshAxis) and S(1) (key 'cp'); an "
+                               "axis has one type")
 
 
 def test_a_flattened_group_types_each_of_its_axes(cube):
     dp_cp = cube["dp", "cp"]._flatten("dp_cp").get_group()
     x = spmd.assert_type(torch.randn(4), {dp_cp: V, "tp": R})
     assert spmd.get_type(x) == {"dp": V, "cp": V, "tp": R}
-    y = spmd.assert_type(torch.randn(4), {dp_cp: V, "cp": P, "tp": R})  # then cp alone, later
-    assert spmd.get_type(y) == {"dp": V, "cp": P, "tp": R}
+    y = spmd.assert_type(torch.randn(4), {dp_cp: V, "cp": S(0), "tp": R})  # then cp alone, refining V
+    assert spmd.get_type(y) == {"dp": V, "cp": S(0), "tp": R}
+    with pytest.raises(spmd.SpmdTypeError) as info:
+        spmd.assert_type(torch.randn(4), {dp_cp: V, "cp": P, "tp": R})
+    assert str(info.value) == ("assert_type: axis 'cp' is given two types, V (key ProcessGroup) and P (key 'cp'); an "
+                               "axis has one type")
     assert resolve_axes(dp_cp) == ("dp", "cp") and resolve_axes(MeshAxis.of(8, 1)) == ("dp", "cp", "tp")
 
 

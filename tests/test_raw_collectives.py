@@ -198,7 +198,7 @@ def test_all_gather_into_typed_output(tp4):
         "torch.distributed.all_gather_single writes a result that is R on axis 'tp' into an output tensor that is V."
     )
     err = _raises(dist.all_gather_single, out, _typed(tp4, {"tp": V}, shape=(2, 3), grad=True), group=_group(tp4))
-    assert err.fixes == ("out = spmd.all_gather(x, 'tp', src=spmd.V, dst=spmd.R, gather_dim=0)",)
+    assert err.fixes == ("out = spmd.all_gather(x, 'tp', src=spmd.S(0), dst=spmd.R)",)
 
 
 def test_reduce_scatter_and_all_to_all_into_typed_outputs(tp4):
@@ -371,8 +371,8 @@ NO_EQUIVALENT_CASES = {
     "all_gather-R": (lambda x, g: fc.all_gather_single(x, 0, g), R,
                      "R input: an all-gather takes per-rank (V) values; gathering the copies of an R value is not a "
                      "typed all_gather.",
-                     ("spmd.all_gather(spmd.reinterpret(x, 'tp', src=spmd.R, dst=spmd.V), 'tp', src=spmd.V, "
-                      "dst=spmd.R, gather_dim=0)",)),
+                     ("spmd.all_gather(spmd.reinterpret(x, 'tp', src=spmd.R, dst=spmd.V), 'tp', src=spmd.S(0), "
+                      "dst=spmd.R)",)),
     "reduce_scatter-max": (lambda x, g: fc.reduce_scatter_single(x, "max", 0, g), P,
                            "P input: op=max has no typed reduce_scatter.", ()),
     "reduce_scatter-I": (lambda x, g: fc.reduce_scatter_single(x, "avg", 0, g), I,

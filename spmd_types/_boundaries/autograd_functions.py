@@ -44,6 +44,7 @@ from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
 from .decomposition import decomposed_apply
+from .hook_apply import run_spmd_typecheck
 
 __all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function",
            "run_eagerly_under_compile",
@@ -58,7 +59,7 @@ _FUNCTION_BASE_APPLY = torch.autograd.Function.__dict__["apply"]
 class Registration(NamedTuple):
     """What a registered Function claims to do."""
 
-    kind: str  # "local", "op", "rule", "transparent", "typecheck_forward" or "decomposition" (rule = ref_impl)
+    kind: str  # "local", "op", "rule", "transparent", "typecheck_forward", "spmd_typecheck" or "decomposition"
     op: str | None = None
     axis: Any = None
     src: SpmdType | None = None
@@ -113,6 +114,9 @@ def register_autograd_function(
             ...
     """
     if (cls is not None and not (local or transparent) and op is None and rule is None
+            and callable(getattr(cls, "spmd_typecheck", None))):
+        reg = Registration("spmd_typecheck")  # the published API's hook (0.2.4 on): the class types itself
+    elif (cls is not None and not (local or transparent) and op is None and rule is None
             and callable(getattr(cls, "typecheck_forward", None))):
         reg = Registration("typecheck_forward")  # the published API: the class types itself
     else:
@@ -293,6 +297,8 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return _apply_as_op(cls, reg, args, kwargs)
     if reg.kind == "typecheck_forward":
         return _apply_typecheck_forward(cls, reg, args, kwargs)
+    if reg.kind == "spmd_typecheck":  # the published hook: the real apply on plain aliases, then the hook types it
+        return run_spmd_typecheck(cls, lambda: _original_apply(cls, reg, _plain(args), {}), args, kwargs)
     if reg.kind == "decomposition":
         return decomposed_apply(cls, reg.rule, lambda a, k: _original_apply(cls, reg, _plain(a), _plain_kw(k)),
                                 args, kwargs)

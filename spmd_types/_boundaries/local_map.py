@@ -19,7 +19,8 @@ from .._checker.asserts import assert_type
 from .._checker.boundaries import declared_leaf, type_declared_outputs
 from .._checker.declarations import check_positional
 from .._core.dtensor_hook import interop, is_dtensor
-from .._core.mesh import Axis, require_mesh, resolve_axes
+from .._core.implicit_mesh import mesh_of_values
+from .._core.mesh import Axis, current_mesh, require_mesh, resolve_axes, set_current_mesh
 from .._core.state import STATE
 from .._core.traced import pop_region, push_region, register_call, routed, traced_call, zero
 from .._core.types import PartitionSpec, SpmdType
@@ -87,6 +88,11 @@ def local_map(
             inner = None if axes is None else [a for ax in axes for a in resolve_axes(ax)]
             if routed():  # torch.compile traces: the region's edges become graph nodes
                 return _traced_region(f, name, args, kwargs, in_types, out_types, inner)
+            if current_mesh() is None:  # typed by groups alone: the arguments' (or the declarations') mesh
+                own = mesh_of_values(args, (in_types, out_types))
+                if own is not None:
+                    with set_current_mesh(own):
+                        return wrapper(*args, **kwargs)
             mesh = require_mesh("local_map")
             if in_types is not Infer:
                 args = _enter(f.__qualname__, args, in_types)
@@ -121,6 +127,14 @@ def local() -> Iterator[None]:
             yield
         finally:
             traced_call("spmd.local.exit")
+        return
+    if current_mesh() is None:  # types on their own meshes: every axis local for the block
+        saved = STATE.global_mode
+        STATE.global_mode = False
+        try:
+            yield
+        finally:
+            STATE.global_mode = saved
         return
     with _local_on(require_mesh("spmd.local"), None):
         yield
@@ -193,7 +207,7 @@ def _assert_declared(a: Any, spec: Any) -> Any:
         return a
     leaf = declared_leaf(spec)
     if leaf is not None and isinstance(a, torch.Tensor):
-        return assert_type(a, leaf[0], leaf[1])
+        return assert_type(a, leaf[0], partition_spec=leaf[1])
     if isinstance(a, (list, tuple)) and isinstance(spec, (list, tuple)) and len(a) == len(spec):
         return type(a)(_assert_declared(x, s) for x, s in zip(a, spec))
     if leaf is not None:

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable, Iterator, Mapping, TypeVar, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
 
 import torch
 
 from .._core.async_tensor import settled
 from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
-from .._core.errors import Rejection, op_error
-from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes
+from .._core.errors import Rejection, SpmdTypeError, op_error
+from .._core.implicit_mesh import mesh_of_keys, mesh_of_space
+from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes, set_current_mesh
+from .._core.phantom import COVERAGE, NdimWithSpmdType, assert_phantom, touch
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
 from .._core.traced import compiling, register_call, routed, traced_call, zero
-from .._core.traced_args import unknown_in_trace
-from .._core.types import P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
+from .._core.whole_type import type_args
 from .._guards.function_guard import WATCHED, check_apply_outputs
 from .._guards.optim_checks import name_parameters
 from .._local.transitions import route_call
@@ -36,15 +38,11 @@ from .reading import (  # noqa: F401 - the readers are re-exported here, beside 
     present,
     rehome_here,
 )
-from .reading import get_local_type as _typed_local_type
-from .reading import get_partition_spec as _typed_partition_spec
 from .run_ops import _TYPED_CLASSES
 from .tensor import _DisableTF, make_typed, type_in_place
 from .trace import log_op
 
-__all__ = ["typecheck", "assert_type", "get_type", "get_partition_spec", "is_checking",
-           "get_local_type", "has_local_type", "assert_type_like", "assert_local_type", "assert_local_type_like",
-           "get_axis_local_type", "maybe_get_axis_local_type"]
+__all__ = ["typecheck", "assert_type", "get_type", "is_checking", "get_axis_local_type", "maybe_get_axis_local_type"]
 
 T = TypeVar("T")
 _weak = weakref.ref
@@ -115,6 +113,9 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
         global_mode, local_axes = _local_axes(local)  # a bad argument raises before any state changes
     if strict is None:
         strict = STATE.strict if STATE.checking else False
+    if not STATE.checking:  # the outermost typecheck(): what must happen before the first checked op
+        for prepare in ON_FIRST_TYPECHECK:
+            prepare()
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
     load_if_imported()  # DTensor's registrations (DTensor.from_local of a typed tensor) before the first op
@@ -126,6 +127,10 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
     finally:
         WATCHED.outputs = []
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
+
+
+# called as the outermost typecheck() begins (the hooked Functions' registration, _boundaries/hook_registration.py)
+ON_FIRST_TYPECHECK: list[Callable[[], None]] = []
 
 
 def _strictness(strict_mode: str | None, strict: bool | None) -> bool | None:
@@ -155,18 +160,30 @@ def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
     Keys are names (str or StrEnum), ProcessGroups, MeshAxis objects or 1-D
     DeviceMeshes; a key over several axes (a flattened group) types each of
     them; a key of size 1 types nothing. When two keys name one axis, the later
-    wins, as in a Python dict (``{**spmd.get_local_type(x), tp_group: spmd.S(1)}``).
+    may agree, or refine V to S(d) (torchtitan's ``{**spmd.get_local_type(x), tp_group: spmd.S(1)}``); two
+    types for one axis are an SpmdTypeError naming it.
     """
     if not isinstance(types, Mapping):
         raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
     if current_mesh() is None:
         raise RuntimeError(f"{what} needs a current mesh: wrap the code in `with spmd.set_current_mesh(mesh):`")
     out: dict[str, SpmdType] = {}
+    keys: dict[str, Any] = {}
     for a, t in types.items():
         t = check_type_value(t, f"the type for axis {a!r}")
         for name in resolve_axes(a):
-            out[name] = t
+            have = out.get(name)
+            if have is not None and have is not t and not (have is V and t.is_varying):
+                if t is V and have.is_varying:  # V after S(d): S(d) already says more
+                    continue
+                raise SpmdTypeError(f"{what}: axis '{name}' is given two types, {have} (key {_key_text(keys[name])}) "
+                                    f"and {t} (key {_key_text(a)}); an axis has one type")
+            out[name], keys[name] = t, a
     return out
+
+
+def _key_text(key: Any) -> str:
+    return repr(str.__str__(key)) if isinstance(key, str) else type(key).__name__
 
 
 def _typed_spec(spec: Spec) -> Spec:
@@ -243,8 +260,8 @@ def _placed_uncached(types: TypeSpec, partition_spec: Any, ndim: int) -> tuple[T
     return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None), resolved
 
 
-def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
-    """Give ``t`` its SPMD types, or check the types it has.
+def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: Any = None, **published: Any) -> T:
+    """Give ``tensor`` its SPMD types, or check the types it has.
 
     Inside :func:`typecheck`: a plain tensor is typed in place (the same
     object is an LTensor with ``types`` afterwards, and is returned; axes of the
@@ -255,6 +272,11 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     later ops) and remembers the type, which :func:`typecheck` gives it when it
     starts (the published API types parameters at parallelize time).
 
+    The type may come in parts, as the published API takes them: type dicts, an
+    ``spmd.SpmdType``, a ``PartitionSpec`` and one bare R, I, V or P that fills
+    the axes nothing else names (``assert_type(x, spmd.R, {"cp": spmd.V})``);
+    see :func:`spmd.merge_types`.
+
     Example::
 
         with spmd.set_current_mesh(mesh), spmd.typecheck():
@@ -262,9 +284,14 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
+    t = tensor
+    if published:  # the published 0.2.3 keyword, assert_type(tensor=x, type={...})
+        types = _published_type(types, published)
+    if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
+        types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
     if not STATE.checking:  # erased: recorded for a later typecheck(), t stays plain (latent.py)
-        if type(t) in _PLAIN and not compiling():  # latent.remember's common case, inline: one Python frame
-            stack = _MESHES.stack
+        if type(t) in _PLAIN and not compiling() and (type(types) is not dict or id(t) not in RECORDS):
+            stack = _MESHES.stack  # latent.remember's common case, inline: an erased call is one Python frame
             RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
                               None if C10D_WORLD is None else C10D_WORLD._default_pg)
             if len(RECORDS) >= latent.prune_at:
@@ -272,10 +299,21 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             return t
         if routed():
             return t  # the erased program traced by torch.compile: nothing to remember in a graph
+        if type(types) is dict and remembered(t) is not None:  # asserted again: the new axes join the record
+            types, partition_spec = _joined_record(remembered(t), types, partition_spec)
         return remember(t, types, partition_spec)
     if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
         traced_call("assert_type", t, types, partition_spec)
         return t
+    if current_mesh() is None:  # typed by groups alone: the axes named (or t's own) are the mesh
+        own = _own_mesh(t, types, partition_spec)
+        if own is not None:
+            with set_current_mesh(own):
+                return assert_type(t, types, partition_spec=partition_spec)
+    if COVERAGE.stack:  # a Function's spmd_typecheck hook is running: t is accounted for
+        touch(t)
+        if isinstance(t, NdimWithSpmdType):
+            return assert_phantom(t, types, partition_spec)  # type: ignore[return-value]
     if type(t) in _TYPED_CLASSES and type(types) is dict:  # the common re-assertion (a parameter every step)
         old = t._spmd_types
         out = _refine(t, types, partition_spec)
@@ -283,8 +321,8 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
             log_op("assert_type", [old], out)
         return out
     if isinstance(t, (list, tuple)):
-        return type(t)(assert_type(x, types, partition_spec) for x in t)  # type: ignore[return-value]
-    if isinstance(types, SpmdType):  # one type for every axis of the current mesh
+        return type(t)(assert_type(x, types, partition_spec=partition_spec) for x in t)  # type: ignore[return-value]
+    if isinstance(types, AxisType):  # one type for every axis of the current mesh
         mesh = current_mesh()
         if mesh is None:
             raise RuntimeError(f"assert_type(x, spmd.{types}) types every axis of the current mesh, and none is current")
@@ -313,6 +351,37 @@ def assert_type(t: T, types: TypeSpec, partition_spec: Any = None) -> T:
     return out  # type: ignore[return-value]
 
 
+def _published_type(types: Any, published: dict) -> Any:
+    if set(published) != {"type"}:
+        raise TypeError(f"assert_type() got an unexpected keyword argument {next(k for k in published if k != 'type')!r}")
+    if types is not None:
+        raise TypeError("assert_type: the type is given twice, by position and as type=")
+    return published["type"]
+
+
+def _joined_record(record: tuple, types: dict, partition_spec: Any) -> tuple[Any, Any]:
+    """A second assert outside typecheck(): the axes it names join the first's (as on a typed tensor, where an
+    assert checks the axes it names and leaves the others)."""
+    old_types, old_spec = record[0], record[1]
+    if type(old_types) is not dict:
+        return types, partition_spec
+    return {**old_types, **types}, partition_spec if partition_spec is not None else old_spec
+
+
+def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:
+    space = getattr(getattr(t, "_spmd_types", None), "space", None)
+    return mesh_of_space(space) if space is not None else mesh_of_keys(types, partition_spec)
+
+
+def _joined(types: Any, more: tuple, partition_spec: Any) -> tuple[Any, Any]:
+    """The type given in parts, joined (merge_types); with checking off a part it cannot read is kept as given, to
+    be read when typecheck() applies it (an erased assert looks at nothing)."""
+    if STATE.checking:
+        return type_args(types, more, partition_spec)
+    try:
+        return type_args(types, more, partition_spec)
+    except (TypeError, ValueError):
+        return types, partition_spec
 
 
 def _refine(t: torch.Tensor, types: TypeSpec, partition_spec: Any) -> torch.Tensor:
@@ -444,137 +513,6 @@ def _check_spec(t: torch.Tensor, want: Spec, named: set | None = None) -> None:
             "assert_type",
             ("x", "types"),
         )
-
-
-def get_local_type(t: Any) -> dict[Any, SpmdType]:
-    """The published API's view of a tensor's type: ``{MeshAxis: R | I | V | P}`` (``S(d)`` is V), ``{}`` if untyped.
-
-    Keyed by regions of ranks (:class:`spmd.MeshAxis`), outermost first, as
-    torch 2.14's FSDP2 and ``local_map`` read it; axes of size 1 do not appear.
-    The layout of V axes is the partition spec (:func:`get_partition_spec`). A
-    type given outside ``typecheck()`` reads the same (resolved under the mesh
-    it was given with); given with no mesh and keyed by names, its keys stay names.
-
-    Example::
-
-        out_types = {**spmd.get_local_type(x), spmd.MeshAxis.of(tp_group): spmd.S(1)}  # x's types, tp changed
-    """
-    if routed() and isinstance(t, torch.Tensor):  # read while dynamo traces: known when the graph is checked
-        return _typed_local_type(t)  # a reference (reading.get_local_type)
-    if getattr(t, "_spmd_types", None) is not None:
-        return _typed_local_type(t)  # presented on the current mesh
-    found = _remembered_types(t)
-    if found is None:
-        return {}
-    if isinstance(found, tuple):  # the axes the assertion named (a spec's included), as regions
-        types, spec, given = found
-        named = set(given) | (axes_of(spec) if spec is not None else set())
-        return by_region(TypeMap.of({a: ty for a, ty in types.items if a in named}, types.space))
-    out: dict[Any, SpmdType] = {}
-    for a, ty in found.items():
-        key = _region_or_name(a)
-        if key is not None:
-            out[key] = V if ty.is_varying else ty
-    return out
-
-
-def get_partition_spec(t: Any) -> Any:
-    """A typed tensor's partition spec, its axes as regions of ranks (:class:`spmd.MeshAxis`); None if it has none.
-
-    Local SPMD keeps one too when ``S(d)`` or ``partition_spec=`` places an axis
-    (torch 2.14's FSDP2 reads it to shard a parameter); a type given outside
-    ``typecheck()`` has its spec read the same way. Entries compare by region:
-    ``PartitionSpec('tp', None)`` equals it under a mesh that calls that region ``tp``.
-
-    Example::
-
-        with spmd.set_current_mesh(mesh), spmd.typecheck():
-            x = spmd.assert_type(torch.randn(2, 16), {"tp": spmd.S(0)})
-            spmd.get_partition_spec(x)   # PartitionSpec(tp, None)
-    """
-    if getattr(t, "_spmd_types", None) is not None:
-        return _typed_partition_spec(t)
-    found = _remembered_types(t)
-    if found is None:
-        return None
-    if isinstance(found, tuple):
-        types, spec, _ = found
-        if spec is None:
-            return None
-        space = types.space
-        return to_partition_spec(tuple(tuple(space.region(a) if space is not None else a for a in e) for e in spec))
-    shards = {_region_or_name(a): ty for a, ty in found.items() if isinstance(ty, Shard)}
-    shards.pop(None, None)
-    if not shards:
-        return None
-    ndim = t.dim()
-    entries: list[tuple] = [() for _ in range(ndim)]
-    for a, ty in shards.items():
-        entries[ty.dim % ndim] += (a,)
-    return to_partition_spec(tuple(entries))
-
-
-def _region_or_name(axis: Any) -> Any:
-    """A type dict's key as a region of ranks (None for one of size 1); a name stays a name (no mesh to read it)."""
-    from .._core.axes import MeshAxis, region_of_group
-
-    if isinstance(axis, str):
-        return str.__str__(axis)
-    region = axis if isinstance(axis, MeshAxis) else region_of_group(axis)
-    return region if region.size() > 1 else None
-
-
-def _remembered_types(t: Any) -> tuple[TypeMap, Spec | None, dict] | Mapping | None:
-    """What a record made outside typecheck() stands for: (types, spec, the axes it named) resolved under its mesh
-    (or the current one), else the type dict as given."""
-    record = remembered(t)
-    if record is None:
-        return None
-    types, spec, mesh, _ = record
-    if mesh is None:
-        mesh = current_mesh()
-        if mesh is None:
-            return types if isinstance(types, Mapping) else None
-    from .._core.mesh import set_current_mesh
-
-    with set_current_mesh(mesh):
-        return _placed_and_given(t, types, spec)
-
-
-def has_local_type(t: Any) -> bool:
-    """True when ``t`` carries an SPMD type (or was given one by ``assert_type`` outside ``typecheck()``)."""
-    if routed():
-        raise unknown_in_trace("spmd.has_local_type")
-    return getattr(t, "_spmd_types", None) is not None or remembered(t) is not None
-
-
-def assert_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
-    """``assert_type(t, source's types with overrides, source's partition spec)``, in place.
-
-    Example::
-
-        out = all_gather_into(buf, x)
-        spmd.assert_type_like(out, x, {"tp": spmd.R})
-    """
-    return assert_type(t, {**_local_or_shards(source), **(overrides or {})}, _typed_partition_spec(source))
-
-
-def assert_local_type(t: T, types: TypeSpec) -> T:
-    """The published API's older name for :func:`assert_type` without a partition spec."""
-    return assert_type(t, types)
-
-
-def assert_local_type_like(t: T, source: torch.Tensor, overrides: TypeSpec | None = None) -> T:
-    """Like :func:`assert_type_like`, without the source's partition spec."""
-    return assert_type(t, {**_local_or_shards(source), **(overrides or {})})
-
-
-def _local_or_shards(source: torch.Tensor) -> dict[str, SpmdType]:
-    if getattr(source, "_spmd_types", None) is None:
-        if STATE.checking:
-            raise TypeError("assert_type_like: the source tensor is untyped; type it first")
-        return {}
-    return dict(present(source, "assert_type_like")[0].items)
 
 
 def _check(have: TypeMap, want: TypeMap, named: set | None = None, ndim: int | None = None) -> None:

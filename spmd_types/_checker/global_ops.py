@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._core.implicit_mesh import mesh_of_space
 from .._core.mesh import current_mesh
 from .._core.spaces import rehome
 from .._core.state import STATE
@@ -49,8 +50,14 @@ def onto_current_mesh(func, args, kwargs) -> None:
                 )
 
 
-def explain(func, args, kwargs, out_types: TypeMap) -> None:
+def _mesh_of(types: TypeMap) -> Any:
+    """The current mesh, else (typed by groups alone) the one the operands were typed on."""
     mesh = current_mesh()
+    return mesh if mesh is not None else mesh_of_space(types.space)
+
+
+def explain(func, args, kwargs, out_types: TypeMap) -> None:
+    mesh = _mesh_of(out_types)
     if mesh is not None:
         with _DisableTF():
             explain_failure(func, args, kwargs, out_types, mesh.global_axes(STATE.local_axes), mesh.sizes(),
@@ -59,7 +66,7 @@ def explain(func, args, kwargs, out_types: TypeMap) -> None:
 
 def global_types(func, args, kwargs, out, out_types: TypeMap) -> tuple[TypeMap, Any]:
     """The result's types and partition spec in global SPMD (a contraction over a sharded dim: its pending sum)."""
-    mesh = current_mesh()
+    mesh = _mesh_of(out_types)
     if mesh is None:
         return out_types, None
     global_axes, sizes = mesh.global_axes(STATE.local_axes), mesh.sizes()

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import current_mesh, resolve_axes
+from .._core.implicit_mesh import mesh_of_space
+from .._core.mesh import current_mesh, resolve_axes, set_current_mesh
 from .._core.state import STATE
 from .._core.traced import register_call, routed, traced_call, zero
 from .._core.types import SpmdType, V, base_type, check_type_value, compatible
@@ -36,19 +37,28 @@ def mutate_type(tensor: torch.Tensor, axis: Any = None, *, src: Any, dst: Any) -
     (every typed axis); ``mutate_type(t, src=R, dst={a: I, b: P})``;
     ``mutate_type(t, src={a: R, b: I}, dst=P)``; ``mutate_type(t, src={a: R}, dst={a: I})``.
     ``S(d)`` is compared and stored as V locally. Outside :func:`typecheck` it
-    returns ``tensor`` untouched.
+    changes a type given there by ``assert_type`` (a plain tensor stays plain).
 
     Example::
 
         counts = tokens_per_expert(...)                    # typed P on 'tp'
         spmd.mutate_type(counts, "tp", src=spmd.P, dst=spmd.V)
     """
-    if not STATE.checking:
-        return tensor
+    if not STATE.checking:  # a type given outside typecheck() changes as its record (published.py)
+        if routed():
+            return tensor  # the erased program traced by torch.compile
+        from .published import mutate_remembered
+
+        return mutate_remembered(tensor, axis, src, dst)
     if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
         traced_call("mutate_type", tensor, axis, src=src, dst=dst)
         return tensor
     types = getattr(tensor, "_spmd_types", None)
+    if types is not None and current_mesh() is None:  # typed by groups alone: its own mesh
+        own = mesh_of_space(types.space)
+        if own is not None:
+            with set_current_mesh(own):
+                return mutate_type(tensor, axis, src=src, dst=dst)
     if types is None:
         raise SpmdTypeError(
             Rejection("spmd.mutate_type needs a typed tensor: it changes a type, and this tensor has none.",

@@ -59,7 +59,7 @@ def _cannot_move(who: str, types: TypeMap, mesh: Any, why: str) -> SpmdTypeError
         Rejection(
             f"{who}: the tensor is typed on another mesh, and its type cannot move onto the current one: {why}.",
             [("tensor", types.format()),
-             ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
+             ("current mesh", ", ".join(f"{n}={mesh.region(n).layout_str()}" for n in mesh.typed_axes))],
             ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks, or type it under this mesh"],
         ),
         user_source_line(),

@@ -30,6 +30,7 @@ from .._guards.transforms import (
     typed_tensor_traced,
     vmap_setup_caller,
 )
+from .._guards.unchecked_code import UNCHECKED_CODES, in_unchecked_code
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import infer
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
@@ -113,7 +114,7 @@ class LTensor(torch.Tensor):
         # only outside dynamo's trace (which would guard on it): what dynamo or a backend reads of a typed tensor.
         if _dynamo_tracing() or _COMPILER._is_compiling_flag:
             return _traced_op(func, args, kwargs)
-        if not STATE.checking:
+        if not STATE.checking or (UNCHECKED_CODES and in_unchecked_code()):  # register_no_typecheck's functions
             if func in _KEEP_UNCHECKED:
                 return _KEEP_UNCHECKED[func](func, args, kwargs)
             return _run(func, args, kwargs)
@@ -285,7 +286,7 @@ def _make_operator(name: str):
         if not _tf_enabled():
             with _DisableTF():
                 return base(self, other)
-        if not STATE.checking:  # erased: as any op on a typed tensor outside checking (simulated ranks included)
+        if not STATE.checking or (UNCHECKED_CODES and in_unchecked_code()):  # erased (simulated ranks included)
             return _run(base, (self, other), {})
         if WATCHED.outputs:
             check_apply_outputs()

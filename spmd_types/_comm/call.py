@@ -21,7 +21,7 @@ import torch
 from .._checker.tensor import _DisableTF, _run, _wrap, format_tensor_type
 from .._checker.trace import log_op
 from .._core.axes import MeshAxis, region_of_group
-from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._core.errors import RedistributeError, Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import current_mesh, resolve_axis
 from .._core.spaces import move_types
 from .._core.state import STATE
@@ -322,7 +322,7 @@ def _on_current_mesh(opname: str, x: torch.Tensor, types: TypeMap) -> TypeMap:
             Rejection(
                 f"{opname}'s input is typed on another mesh and cannot be moved onto the current one: {found}.",
                 [("input", format_tensor_type(x, types)),
-                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes))],
+                 ("current mesh", ", ".join(f"{n}={mesh.region(n).layout_str()}" for n in mesh.typed_axes))],
                 ["spmd.reinterpret_mesh(x, mesh) onto a mesh over the same ranks"],
             ),
             user_source_line(),
@@ -334,10 +334,10 @@ def _reject_outside(opname: str, x: torch.Tensor, types: TypeMap, comm: AxisComm
                     dst: SpmdType) -> None:
     """A typed input to a collective over a group that is no axis of the current mesh: its type says nothing there."""
     mesh = current_mesh()
-    shown = ", ".join(f"{n}={mesh.region(n).layout()}" for n in mesh.typed_axes) if mesh is not None else "none"
+    shown = ", ".join(f"{n}={mesh.region(n).layout_str()}" for n in mesh.typed_axes) if mesh is not None else "none"
     raise SpmdTypeError(
         Rejection(
-            f"{opname} runs over a process group (ranks {region_of_group(comm.group).layout()}) that is not an axis "
+            f"{opname} runs over a process group (ranks {region_of_group(comm.group).layout_str()}) that is not an axis "
             "of the current mesh, nor a flattening of its axes, so the input's type says nothing about it.",
             [("op", _call_text(opname, comm, src, dst)), ("input", format_tensor_type(x, types)),
              ("current mesh", shown)],
@@ -528,7 +528,7 @@ def _global_spec(begun: Begun, x: torch.Tensor, out_ndim: int) -> tuple | None:
     if src_dim is not None:
         d = src_dim % in_ndim
         if entries[d][-len(names):] != names:
-            raise SpmdTypeError(
+            raise RedistributeError(
                 Rejection(
                     f"{begun.opname} can only gather the minor-most mesh axes of a dim: dim {d} is sharded on "
                     f"{tuple(entries[d])}, and this gathers {tuple(names)}.",

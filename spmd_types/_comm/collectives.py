@@ -24,6 +24,7 @@ from .._core.traced import register_call, routed, traced_call
 from .._core.types import I, P, R, S, SpmdType, V, base_type, check_type_value
 from .._local.transitions import ROUTE
 from . import impl as impl
+from .async_op import takes_async_op
 from .call import (
     Begun,
     Call,
@@ -44,6 +45,7 @@ from .erased import erased, remember_erased
 from .kernels import keeps_shards
 from .redistribute_spec import redistribute_spec
 from .reinterpret_convert import convert
+from .stacking import check_one_per_rank, stacked_input, uneven_splits
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
 
@@ -79,6 +81,7 @@ def _check_split(
 # op="max"|"min": V -> R, V -> I (not linear, so not in seed 003's table: EXTREME_ROWS below)
 
 
+@takes_async_op
 def all_reduce(
     x: torch.Tensor, axis: Any, *, src: SpmdType | None = None, dst: SpmdType = R, op: str = "sum",
     inplace: bool = False, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
@@ -306,6 +309,7 @@ class _AllReduceExtreme(torch.autograd.Function):
 # all_gather: V -> R (backward reduce_scatter), V -> I (backward convert(I, V): a local slice)
 
 
+@takes_async_op
 def all_gather(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = R, gather_dim: int | None = None,
     sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
@@ -313,7 +317,7 @@ def all_gather(
 ) -> torch.Tensor:
     """Gather every rank's ``x``: stacked on a new dim 0 (``src=V``) or concatenated on d (``src=S(d)``).
 
-    ``gather_dim=`` concatenates a ``src=V`` input on that dim instead.
+    ``gather_dim=`` stacks a ``src=V`` input on a new dim there instead (the published meaning).
     ``sizes=`` (one per rank) gathers uneven shards. ``dst=R`` backward is a
     reduce-scatter; ``dst=I`` backward is a local slice (no communication)::
 
@@ -330,7 +334,9 @@ def all_gather(
         full_w = spmd.all_gather(w_shard, "dp", src=spmd.S(0), dst=spmd.R, op_dtype=torch.bfloat16,
                                  backward_options={"op_dtype": torch.float32})
     """
-    fast_args = None if sizes is not None or split_sizes is not None else ("all_gather", axis, src, dst, gather_dim)
+    stacks = src is V and gather_dim is not None  # V stacks on a new dim gather_dim (stacking.py)
+    fast_args = None if sizes is not None or split_sizes is not None or stacks else ("all_gather", axis, src, dst,
+                                                                                      gather_dim)
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
         return hit
@@ -344,10 +350,13 @@ def all_gather(
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("all_gather", x, axis, src, dst)
     comm = begun.comm
-    dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
     sizes = check_sizes(begun.opname, sizes, comm)
-    if sizes is not None and dim is None:
-        raise ValueError(f"{begun.opname}: sizes= needs a concat dim (src=S(d) or gather_dim=); V inputs stack")
+    if sizes is not None and begun.src is V:
+        raise ValueError(f"{begun.opname}: sizes= needs a concat dim, src=S(d); V inputs stack")
+    if stacks:
+        x, dim = stacked_input(begun.opname, x, gather_dim)  # type: ignore[arg-type]
+    else:
+        dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
     if sizes is not None:
         check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
     dtypes = for_call(begun, "all_gather", x, op_dtype, out_dtype, backward_options)
@@ -361,6 +370,7 @@ def all_gather(
 # reduce_scatter: P -> V (backward all_gather(V, R))
 
 
+@takes_async_op
 def reduce_scatter(
     x: torch.Tensor, axis: Any, *, src: SpmdType = P, dst: SpmdType = V, scatter_dim: int | None = None,
     op: str = "sum", sizes: Sequence[int] | None = None, op_dtype: torch.dtype | None = None,
@@ -368,7 +378,7 @@ def reduce_scatter(
 ) -> torch.Tensor:
     """Sum (or average) the pending sum and keep this rank's part of it.
 
-    ``dst=V`` keeps index ``rank`` of dim 0 (dim 0 has one entry per rank);
+    ``dst=V`` keeps index ``rank`` of dim 0 (dim 0 has one entry per rank), or of dim ``scatter_dim``;
     ``dst=S(d)`` keeps this rank's shard of dim d (``sizes=`` for uneven
     shards). ``src=V`` means ``reinterpret(V, P)`` first. Backward is an
     all-gather::
@@ -384,7 +394,8 @@ def reduce_scatter(
 
         grad_shard = spmd.reduce_scatter(grad, "dp", src=spmd.P, dst=spmd.S(0))
     """
-    fast_args = (None if sizes is not None or split_sizes is not None
+    unstacks = dst is V and scatter_dim is not None  # V takes this rank's entry of dim scatter_dim (stacking.py)
+    fast_args = (None if sizes is not None or split_sizes is not None or unstacks
                  else ("reduce_scatter", axis, src, dst, scatter_dim, op))
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -399,8 +410,13 @@ def reduce_scatter(
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("reduce_scatter", x, axis, src, dst, op)
     comm, opname = begun.comm, begun.opname
-    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
     sizes = check_sizes(opname, sizes, comm)
+    if unstacks and sizes is None:
+        d = check_one_per_rank(opname, x, "scatter_dim", scatter_dim, comm.size, comm.label)  # type: ignore[arg-type]
+        dtypes = for_call(begun, "reduce_scatter", x, op_dtype, out_dtype, backward_options)
+        call = Call("reduce_scatter", begun.src, begun.dst, comm, dim=d, reduce=op, dtypes=dtypes)
+        return finish(begun, call, x).squeeze(d)
+    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
     if dim is None:
         if sizes is not None:
             raise ValueError(f"{opname}: sizes= needs a scatter dim (dst=S(d) or scatter_dim=); dst=V indexes dim 0")
@@ -422,6 +438,7 @@ def reduce_scatter(
 # all_to_all: V -> V, S(i) -> S(j) (backward all_to_all S(j) -> S(i))
 
 
+@takes_async_op
 def all_to_all(
     x: torch.Tensor, axis: Any, *, src: SpmdType = V, dst: SpmdType = V, split_dim: int | None = None,
     concat_dim: int | None = None, output_split_sizes: Sequence[int] | None = None,
@@ -431,8 +448,12 @@ def all_to_all(
     """Split ``x`` on ``split_dim`` into one piece per rank, send piece j to rank j, concatenate on ``concat_dim``.
 
     ``src=S(i), dst=S(j)`` keeps the meaning: shards of dim i become shards of
-    dim j (``concat_dim=i``, ``split_dim=j``). With plain V the dims default to
-    0. ``input_split_sizes`` / ``output_split_sizes`` (V -> V, dim 0) send
+    dim j (``concat_dim=i``, ``split_dim=j``). With one V side, as the published
+    API reads it, ``src=S(i)`` splits dim i and ``dst=S(j)`` joins on dim j (the
+    other dim 0 unless given). With plain V the dims default to 0; on two
+    different dims, V -> V unbinds ``split_dim`` (one entry per rank) and stacks
+    what arrives on ``concat_dim``. ``input_split_sizes`` / ``output_split_sizes`` (V or S(0), dim 0;
+    a side not given is even) send
     ``input_split_sizes[j]`` rows to rank j and receive ``output_split_sizes[j]``
     from it (MoE token routing); the backward swaps them.
     ``op_dtype`` / ``out_dtype`` cast before / after the exchange;
@@ -447,7 +468,10 @@ def all_to_all(
         routed = spmd.all_to_all(tokens, ep_group, src=spmd.V, dst=spmd.V,
                                  input_split_sizes=send_counts, output_split_sizes=recv_counts)
     """
-    fast_args = (None if input_split_sizes is not None or output_split_sizes is not None
+    # V -> V on two dims: unbind split_dim, stack on concat_dim (stacking.py)
+    restacks = (src is V and dst is V and (split_dim or 0) != (concat_dim or 0) and input_split_sizes is None
+                and output_split_sizes is None)
+    fast_args = (None if input_split_sizes is not None or output_split_sizes is not None or restacks
                  else ("all_to_all", axis, src, dst, split_dim, concat_dim))
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -461,10 +485,20 @@ def all_to_all(
                                   op_dtype=op_dtype, out_dtype=out_dtype, backward_options=backward_options)
     begun = begin("all_to_all", x, axis, src, dst)
     comm, opname, ndim = begun.comm, begun.opname, x.dim()
-    concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
-    split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
-    concat, split = 0 if concat is None else concat, 0 if split is None else split  # V -> V: dim 0 by default
-    splits = _uneven_splits(begun, x, input_split_sizes, output_split_sizes, split, concat)
+    if restacks:
+        s = check_one_per_rank(opname, x, "split_dim", split_dim or 0, comm.size, comm.label)
+        c = norm_dim(opname, f"concat_dim={concat_dim}", concat_dim or 0, ndim)
+        call = Call("all_to_all", V, V, comm, split_dim=s, concat_dim=s,
+                    dtypes=for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options))
+        return finish(begun, call, x).movedim(s, c)
+    if (begun.src is V) != (begun.dst is V):  # one S(d) side: it names the dim split (src) or joined (dst)
+        split = _varying_dim(opname, "src", begun.src, split_dim, "split_dim", ndim)
+        concat = _varying_dim(opname, "dst", begun.dst, concat_dim, "concat_dim", ndim)
+    else:  # S(i) -> S(j): shards of dim i become shards of dim j (concat i, split j)
+        concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
+        split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
+    concat, split = 0 if concat is None else concat, 0 if split is None else split  # a V side: dim 0 by default
+    splits = uneven_splits(begun, x, input_split_sizes, output_split_sizes, split, concat)
     if splits is None and not keeps_shards(begun.src, begun.dst):
         _check_split(opname, x, split, comm.size, None, comm.label, f"split_dim={split}", uneven_ok=False)
     dtypes = for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options)
@@ -475,38 +509,11 @@ def all_to_all(
     return out
 
 
-def _uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, split: int,
-                   concat: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """Checked ``(input_split_sizes, output_split_sizes)``, or None for even pieces."""
-    if inputs is None and outputs is None:
-        return None
-    opname, comm = begun.opname, begun.comm
-    if inputs is None or outputs is None:
-        raise ValueError(f"{opname}: give both input_split_sizes= and output_split_sizes= (one per rank of "
-                         f"{comm.label}), or neither")
-    if begun.src is not V or begun.dst is not V or split != 0 or concat != 0:
-        raise ValueError(f"{opname}: uneven pieces (input_split_sizes=, output_split_sizes=) go with src=spmd.V, "
-                         f"dst=spmd.V on dim 0; got src={begun.src}, dst={begun.dst}")
-    found = []
-    for name, sizes in (("input_split_sizes", inputs), ("output_split_sizes", outputs)):
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-            raise TypeError(f"{opname}: {name}= takes one size per rank, got {sizes!r}")
-        sizes = tuple(sizes)
-        if len(sizes) != comm.size:
-            raise ValueError(f"{opname}: {name}= gives one size per rank of axis {comm.label} ({comm.size} ranks), "
-                             f"got {len(sizes)}")
-        found.append(sizes)
-    total = sum(found[0])
-    if isinstance(total, int) and isinstance(x.shape[0], int) and total != x.shape[0]:
-        raise ValueError(f"{opname}: input_split_sizes={list(found[0])} add up to {total}, but dim 0 has "
-                         f"size {x.shape[0]}")
-    return found[0], found[1]
-
-
 # ---------------------------------------------------------------------------
 # redistribute: keep the meaning, communicate as needed (routes via _transitions.ROUTE)
 
 
+@takes_async_op
 def redistribute(
     x: torch.Tensor, axis: Any, dst_spec: Any = None, *, src: SpmdType | None = None, dst: SpmdType | None = None,
     sizes: Sequence[int] | None = None, src_partial: Sequence[str] = (), dst_partial: Sequence[str] = (),

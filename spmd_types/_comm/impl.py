@@ -58,7 +58,15 @@ class AxisComm(NamedTuple):
         return (self.names or self.shown or ("axis",))[0]
 
 
+# async_op=True outside checking (async_op.py): a forward collective's result waits when first read
+DEFER = [False]
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
+    if DEFER[0]:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return AsyncCollectiveTensor(t)
     return _WAIT(t)
 
 
@@ -131,11 +139,11 @@ def scaled(x: torch.Tensor, reduce: str, size: int) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, comm: AxisComm, reduce: str) -> torch.Tensor:
-    return _WAIT(_ALL_REDUCE(x, reduce, comm.group_name))
+    return _wait(_ALL_REDUCE(x, reduce, comm.group_name))
 
 
 def _gather0(x: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    return _WAIT(_ALL_GATHER(x.contiguous(), comm.size, comm.group_name))
+    return _wait(_ALL_GATHER(x.contiguous(), comm.size, comm.group_name))
 
 
 def all_gather(x: torch.Tensor, comm: AxisComm, dim: int | None, sizes: Sequence[int] | None) -> torch.Tensor:

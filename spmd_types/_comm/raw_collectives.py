@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from .._checker.tensor import HANDLERS, _DisableTF, _run, _wrap, format_tensor_type
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
-from .._core.mesh import current_mesh
+from .._core.implicit_mesh import mesh_of_space
+from .._core.mesh import current_mesh, set_current_mesh
 from .._core.types import I, P, R, S, SpmdType, TypeMap, V
 from .call import unwrap
 from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
@@ -191,15 +192,13 @@ def _plan_broadcast(site: _Site, root: int | str) -> Plan:
 def _plan_all_gather(site: _Site) -> Plan:
     src, lab = site.src, site.label
     if src.is_varying:
-        if src == S(0):
-            return Plan(R, f"spmd.all_gather(x, {lab}, src=spmd.S(0), dst=spmd.R)",
-                        lambda x: all_gather(x, site.axis, src=S(0), dst=R))
-        return Plan(R, f"spmd.all_gather(x, {lab}, src=spmd.V, dst=spmd.R, gather_dim=0)",
-                    lambda x: all_gather(x, site.axis, src=V, dst=R, gather_dim=0))
+        # the raw gather concatenates on dim 0: a V input read as its shards of dim 0 (V with gather_dim stacks)
+        return Plan(R, f"spmd.all_gather(x, {lab}, src=spmd.S(0), dst=spmd.R)",
+                    lambda x: all_gather(x, site.axis, src=S(0), dst=R))
     if src is P:
         return Plan(None, why="an all-gather takes per-rank (V) values, and a P value is one pending sum.",
                     fixes=(f"spmd.all_reduce(x, {lab}, src=spmd.P, dst=spmd.R)",))
-    fix = f"spmd.all_gather({_reinterpreted(site, V)}, {lab}, src=spmd.V, dst=spmd.R, gather_dim=0)"
+    fix = f"spmd.all_gather({_reinterpreted(site, V)}, {lab}, src=spmd.S(0), dst=spmd.R)"
     return Plan(None, why=f"an all-gather takes per-rank (V) values; gathering the copies of an {src} value "
                 "is not a typed all_gather.", fixes=(fix,))
 
@@ -341,6 +340,11 @@ def _handle(func: Any, args: tuple, kwargs: dict) -> Any:
         return _pass(raw, x, types)
     if types is None:  # only another argument is typed (an output buffer): nothing to type here
         return _run(func, args, kwargs)
+    if current_mesh() is None:  # typed by groups alone: the input's own mesh
+        own = mesh_of_space(types.space)
+        if own is not None:
+            with set_current_mesh(own):
+                return _handle(func, args, kwargs)
     site = _site(raw, a, x, types)
     plan = _plan(site)
     if plan.dst is None:

@@ -17,7 +17,7 @@ from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.mesh import require_mesh
 from .._core.spec import Spec, axes_of, normalize, to_partition_spec
 from .._core.state import STATE
-from .._core.types import P, R, SpmdType, TypeMap, V
+from .._core.types import AxisType, P, R, SpmdType, TypeMap, V
 from .call import unwrap
 from .planner import Plan
 from .planner import plan_redistribute as _plan
@@ -76,7 +76,7 @@ def redistribute_spec(x: torch.Tensor, src_spec: Sequence[Any], dst_spec: Sequen
 
 def _refuse_a_type_for_a_spec(x: Any, src_spec: Any, dst_spec: Any) -> None:
     """``spmd.redistribute(x, 'tp', spmd.R)``: a type given where the partition-spec form takes ``dst_spec``."""
-    if not isinstance(dst_spec, SpmdType):
+    if not isinstance(dst_spec, AxisType):
         return
     have = getattr(x, "_spmd_types", None)
     src = have.get(src_spec) if (have is not None and isinstance(src_spec, str)) else None

@@ -14,7 +14,8 @@ import torch
 
 from .._core.dtensor_hook import interop, is_dtensor
 from .._core.traced import register_call, routed, traced_call
-from .._core.types import SpmdType, V, base_type
+from .._core.types import AxisType, SpmdType, V, base_type
+from .async_op import takes_async_op
 from .call import Call, begin, check_sizes, finish, norm_dim
 from .dtypes import for_call
 from .erased import erased, remember_erased
@@ -22,13 +23,15 @@ from .erased import erased, remember_erased
 __all__ = ["reinterpret", "convert"]
 
 
+
 # ---------------------------------------------------------------------------
 # reinterpret: same local data, new type (the meaning may change)
 
 
+@takes_async_op
 def reinterpret(
     x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, op_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+    out_dtype: torch.dtype | None = None, backward_options: dict | None = None, expert_mode: bool = False,
 ) -> torch.Tensor:
     """Change ``x``'s type on ``axis`` from ``src`` to ``dst`` without touching its local data.
 
@@ -40,12 +43,16 @@ def reinterpret(
                 +A
 
     ``op_dtype``, ``out_dtype`` and ``backward_options`` cast as on every typed op
-    (see the low-precision page of the docs).
+    (see the low-precision page of the docs). ``expert_mode=`` is the published
+    API's switch for R -> I, R -> P, I -> R and R -> V; seed 003's table allows
+    them here without it (docs/choices.md, choice 49).
 
     Example::
 
         out = spmd.reinterpret(hidden @ w, "tp", src=spmd.V, dst=spmd.P)  # row-parallel matmul
     """
+    if src is dst and isinstance(src, AxisType):  # no change (the published API returns x): src still checked
+        return same_type("spmd.reinterpret", x, axis, src, (op_dtype, out_dtype, backward_options))
     fast_args = ("reinterpret", axis, src, dst)
     hit = erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -68,9 +75,11 @@ def reinterpret(
 # convert: same meaning, new type (local slicing or zero-filling only)
 
 
+@takes_async_op
 def convert(
     x: torch.Tensor, axis: Any, *, src: SpmdType, dst: SpmdType, sizes: Sequence[int] | None = None,
     op_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None, backward_options: dict | None = None,
+    expert_mode: bool = False,
 ) -> torch.Tensor:
     """Change ``x``'s type on ``axis`` keeping its meaning, with local work only.
 
@@ -95,6 +104,8 @@ def convert(
 
         w_shard = spmd.convert(w, "tp", src=spmd.I, dst=spmd.S(0))
     """
+    if src is dst and isinstance(src, AxisType):  # no change (the published API returns x): src still checked
+        return same_type("spmd.convert", x, axis, src, (op_dtype, out_dtype, backward_options))
     fast_args = None if sizes is not None else ("convert", axis, src, dst)
     hit = None if fast_args is None else erased(x, fast_args, op_dtype, out_dtype, backward_options)
     if hit is not None:
@@ -142,6 +153,22 @@ def _slice_layout(opname: str, x: torch.Tensor, dst: SpmdType, n: int, sizes: An
             f"{label}; {length} is not divisible by {n}. Pass sizes= (one per rank) for uneven shards."
         )
     return dim
+
+
+def same_type(opname: str, x: torch.Tensor, axis: Any, t: AxisType, options: tuple) -> torch.Tensor:
+    """``src == dst``: ``x`` itself once ``src`` is checked against its type (cast if ``op_dtype`` / ``out_dtype``)."""
+    from .call import Begun, check_input, resolve_comm
+    from .dtypes import for_call as plan_for
+
+    if is_dtensor(x):
+        return x
+    comm = resolve_comm(opname, axis)
+    begun = Begun(opname, t, t, comm, check_input(opname, x, comm, t, t))
+    plan = plan_for(begun, opname.split(".")[-1], x, *options, reduces_back=False, keeps_input=False)
+    if plan is None:
+        return x
+    x = x if plan.op is None else x.to(plan.op)
+    return x if plan.out is None else x.to(plan.out)
 
 
 register_call("reinterpret", reinterpret)

@@ -22,33 +22,38 @@ from .._core.mesh import Mesh, current_mesh, resolve_axis
 from .._core.spaces import GroupMove, move_spec, move_types
 from .._core.state import STATE
 from .._core.traced import register_call, routed, traced_call
-from .._core.types import Space, SpmdType, TypeMap, compatible
+from .._core.types import AxisType, Space, TypeMap, compatible
+from .._core.whole_type import TensorSpmdType
 
 __all__ = ["reinterpret_mesh", "space_of"]
 
 
-def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
-    """``x`` retyped onto ``mesh`` (default: the current mesh), a presentation of the same ranks.
+def reinterpret_mesh(tensor: torch.Tensor, type: Any = None, *, inplace: bool = False) -> torch.Tensor:  # noqa: A002
+    """``tensor`` retyped onto ``type`` (a mesh; default the current one), a presentation of the same ranks.
 
-    ``mesh`` is a ``DeviceMesh``, a ``{name: ProcessGroup}`` or ``{name: MeshAxis}``
+    ``type`` is a ``DeviceMesh``, a ``{name: ProcessGroup}`` or ``{name: MeshAxis}``
     dict, a collection of ``MeshAxis`` (``spmd.current_mesh()``), or the target
     type itself, ``{axis: type}`` (the axes, checked against the moved type).
     Axes over the same ranks keep their type; the others must flatten into each
     other group by group with one type per group, else ``SpmdTypeError``.
     Outside :func:`typecheck` (or on a plain tensor) ``x`` comes back unchanged.
+    ``inplace=True`` retypes ``x`` itself (the published API's form) instead of an alias.
 
     Example::
 
         with spmd.set_current_mesh(expert_mesh):     # (edp, ep) over the ranks of (dp, tp)
             tokens = spmd.reinterpret_mesh(tokens, spmd.current_mesh())
     """
+    x, mesh = tensor, type  # the published parameter names: the tensor, and its target (a mesh or a type)
     if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
         return x if not STATE.checking else traced_call("reinterpret_mesh", x, mesh)
     types = getattr(x, "_spmd_types", None)
     if not STATE.checking or types is None:
         return x
     declared = None
-    if isinstance(mesh, Mapping) and mesh and all(isinstance(t, SpmdType) for t in mesh.values()):
+    if isinstance(mesh, TensorSpmdType):  # the published whole type: its per-axis types
+        mesh = mesh.local_type
+    if isinstance(mesh, Mapping) and mesh and all(isinstance(t, AxisType) for t in mesh.values()):
         declared = {_region(k): t for k, t in mesh.items()}  # {axis: type}: the target's axes, and a check
         mesh = frozenset(declared)
     target = space_of(mesh)
@@ -57,7 +62,7 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
         raise SpmdTypeError(
             Rejection(
                 f"spmd.reinterpret_mesh: the tensor's type cannot move onto the target mesh: {found}.",
-                [("types", types.format()), ("target", ", ".join(f"{n}={r.layout()}" for n, r in target.pairs))],
+                [("types", types.format()), ("target", ", ".join(f"{n}={r.layout_str()}" for n, r in target.pairs))],
                 ["convert the axes that block the move to one type per flattened group first"],
             ),
             user_source_line(),
@@ -68,7 +73,9 @@ def reinterpret_mesh(x: torch.Tensor, mesh: Any = None) -> torch.Tensor:
     if moved is types:
         return x
     spec = getattr(x, "_spmd_spec", None)
-    out = make_typed(x, moved)
+    if inplace:
+        x._spmd_types = moved  # type: ignore[attr-defined]
+    out = x if inplace else make_typed(x, moved)
     if spec is not None:
         out._spmd_spec = _move_spec(spec, groups)
     if STATE.tracing:

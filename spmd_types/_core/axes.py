@@ -151,10 +151,16 @@ class MeshAxis:
 
     @property
     def names(self) -> frozenset[str]:
-        """The names meshes gave this region (may be empty)."""
+        """The names meshes and process groups (their ``group_desc``) gave this region (may be empty)."""
         return frozenset(_NAMES.get(self, ()))
 
-    def layout(self) -> str:
+    @property
+    def layout(self) -> Any:
+        """The published API's layout: torch's ``_FlatLayout`` of this region (``.shape``, ``.stride``,
+        ``all_ranks_from_zero()``, ``numel()``); calling it gives :meth:`layout_str`'s text."""
+        return _layout_of(self)
+
+    def layout_str(self) -> str:
         """``'4:1'``, ``'(2,2):(4,1)'``: sizes and strides, outermost first."""
         if self.atoms is None:
             return "{" + ",".join(str(r) for r in sorted(self._ranks)) + "}"  # type: ignore[arg-type]
@@ -170,7 +176,42 @@ class MeshAxis:
         if name is None:
             names = _NAMES.get(self)
             name = names[-1] if names else None  # else the name a mesh gave it last
-        return name if name is not None else f"MeshAxis({self.layout()})"
+        return name if name is not None else f"MeshAxis({self.layout_str()})"
+
+
+def _layout_class() -> Any:
+    if not _LAYOUT_CLASS:
+        from torch.distributed._mesh_layout import _FlatLayout
+
+        class AxisLayout(_FlatLayout):
+            """torch's layout of a region; ``layout()`` is its short text (``'4:1'``)."""
+
+            text = ""
+            ranks: Any = None
+
+            def __call__(self) -> str:
+                return self.text
+
+            def all_ranks_from_zero(self) -> Any:
+                return list(self.ranks) if self.ranks is not None else super().all_ranks_from_zero()
+
+        _LAYOUT_CLASS.append(AxisLayout)
+    return _LAYOUT_CLASS[0]
+
+
+_LAYOUT_CLASS: list = []
+
+
+def _layout_of(region: MeshAxis) -> Any:
+    cls = _layout_class()
+    if region.atoms is None:  # no sizes and strides describe it: one dim over its ranks
+        layout = cls((region.size(),), (1,))
+        layout.ranks = sorted(region.ranks())
+    else:
+        atoms = region.atoms[::-1] or ((1, 1),)
+        layout = cls(tuple(s for s, _ in atoms), tuple(d for _, d in atoms))
+    layout.text = region.layout_str()
+    return layout
 
 
 def orthogonal(axes: Sequence[MeshAxis]) -> bool:
@@ -192,7 +233,7 @@ def flatten(axes: Sequence[MeshAxis]) -> MeshAxis:
     """The region of several orthogonal axes taken together (a flattened group over them)."""
     if not orthogonal(axes):
         raise ValueError("cannot flatten axes that are not independent dims of one mesh: "
-                         + ", ".join(a.layout() for a in axes))
+                         + ", ".join(a.layout_str() for a in axes))
     if any(a.atoms is None for a in axes):
         big = [a for a in axes if a.size() > 1]
         return big[0] if big else MeshAxis(())
@@ -204,6 +245,9 @@ _NAMES: dict[MeshAxis, list[str]] = {}
 # how the current mesh names a region (set by _core/mesh.py, which knows the current mesh)
 CURRENT_NAME: list = [lambda region: None]
 _GROUP_REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# group_desc names (name -> the regions that claimed it), and the names two regions claimed
+_FROM_GROUPS: dict[str, set] = {}
+_CLASHED: set[str] = set()
 
 
 def name_region(region: MeshAxis, name: str) -> None:
@@ -213,6 +257,29 @@ def name_region(region: MeshAxis, name: str) -> None:
         if name in names:
             names.remove(name)
         names.append(name)
+
+
+def name_from_group(region: MeshAxis, name: str) -> None:
+    """Remember a process group's ``group_desc`` as a name of its region, after any name a mesh gave it.
+
+    A name that two regions claim gets each region's layout as a suffix
+    (``mesh_ddp[8:1]``, ``mesh_ddp[4:1]``), and so does every later claim of it.
+    """
+    if region.size() <= 1 or name == "undefined":
+        return
+    if name in _CLASHED:
+        name = f"{name}[{region.layout_str()}]"
+    else:
+        for other, names in _NAMES.items():
+            if other != region and name in names and other in _FROM_GROUPS.get(name, ()):
+                _CLASHED.add(name)
+                names[names.index(name)] = f"{name}[{other.layout_str()}]"
+                name = f"{name}[{region.layout_str()}]"
+                break
+    names = _NAMES.setdefault(region, [])
+    if name not in names:
+        names.insert(0, name)  # a mesh's own name for the region is shown first
+    _FROM_GROUPS.setdefault(name, set()).add(region)
 
 
 def region_of_group(group: Any) -> MeshAxis:
@@ -234,6 +301,9 @@ def region_of_group(group: Any) -> MeshAxis:
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"expected a ProcessGroup, got {type(group).__name__}")
         region = MeshAxis.from_ranks(dist.get_process_group_ranks(group))
+        desc = getattr(group, "group_desc", None)
+        if isinstance(desc, str) and desc:
+            name_from_group(region, desc)
     try:
         _GROUP_REGIONS[group] = region
     except TypeError:  # not weak-referenceable: not cached

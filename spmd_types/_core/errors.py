@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-__all__ = ["SpmdTypeError", "Rejection", "user_source_line"]
+__all__ = ["SpmdTypeError", "RedistributeError", "DTensorPropagationError", "Rejection", "user_source_line"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # spmd_types/
 _SKIP_DIRS: tuple[str, ...] = (_PKG_DIR + os.sep,)
@@ -111,11 +111,13 @@ class Rejection:
     notes: Sequence[str] = field(default_factory=tuple)
 
 
-class SpmdTypeError(TypeError):
+class SpmdTypeError(TypeError, RuntimeError):
     """A program that is not well typed under the SPMD typing rules.
 
     ``str(err)`` is the full message; ``err.rule``, ``err.fixes`` and
-    ``err.source`` hold its parts.
+    ``err.source`` hold its parts. A ``TypeError`` (CONTRACT section 10) and,
+    as the published package's is, a ``RuntimeError``; ``context=`` (the
+    published API's keyword) is shown after the message.
 
     Example::
 
@@ -125,7 +127,8 @@ class SpmdTypeError(TypeError):
             print(err.fixes[0])   # spmd.all_reduce(...)
     """
 
-    def __init__(self, rejection: Rejection | str, source: str | None = None) -> None:
+    def __init__(self, msg: Rejection | str, source: str | None = None, *, context: str | None = None) -> None:
+        rejection = msg  # the published parameter name: a message, or here a Rejection
         if isinstance(rejection, str):
             rejection = Rejection(rejection)
         self.rejection = rejection
@@ -134,20 +137,53 @@ class SpmdTypeError(TypeError):
         self.fixes = tuple(rejection.fixes)
         self.notes = tuple(rejection.notes)
         self.source = source
-        self.plain = format_plain(rejection, source)
-        super().__init__(_render(rejection, source, self.plain))
+        self.context = context
+        self.plain = format_plain(rejection, source) + (f"\n\n{context}" if context else "")
+        shown = _render(rejection, source, self.plain)
+        super().__init__(shown + (f"\n\n{context}" if context and shown is not self.plain else ""))
 
     def __reduce__(self):
-        return (SpmdTypeError, (Rejection(self.rule, self.seen, self.fixes, self.notes), self.source))
+        return (_rebuilt, (type(self), Rejection(self.rule, self.seen, self.fixes, self.notes), self.source,
+                           self.context))
 
 
-def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...]) -> SpmdTypeError:
+def _rebuilt(cls: type, rejection: Rejection, source: str | None, context: str | None) -> SpmdTypeError:
+    return cls(rejection, source, context=context)
+
+
+class RedistributeError(SpmdTypeError):
+    """A collective or redistribute that the layout does not allow (gathering an axis that is not the minor-most
+    of its dim), as the published package names it.
+
+    Example::
+
+        try:
+            spmd.all_gather(x, "tp", src=spmd.S(0), dst=spmd.R)   # dim 0 sharded on ("tp", "dp")
+        except spmd.RedistributeError as err:
+            print(err.fixes[0])
+    """
+
+
+class DTensorPropagationError(SpmdTypeError):
+    """Global SPMD: an op whose result's layout no shard rule gives (the published package's name).
+
+    Example::
+
+        try:
+            y = x.reshape(6, 2, 4)   # x sharded on dim 1 in global SPMD
+        except spmd.DTensorPropagationError as err:
+            print(err.rule)
+    """
+
+
+def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...],
+             cls: type[SpmdTypeError] = SpmdTypeError) -> SpmdTypeError:
     """The error for a rejected op, with operands spelled as in the user's own line where possible."""
     from .source import operand_expressions
 
     found = user_source()
     if found is None:
-        return SpmdTypeError(rejection, None)
+        return cls(rejection, None)
     source, code = found
     exprs = operand_expressions(code, attr_name, params)
     exprs = {label: e for label, e in exprs.items() if label != e}
@@ -167,7 +203,7 @@ def op_error(rejection: Rejection, attr_name: str, params: tuple[str, ...]) -> S
                 value = "\n".join(lines)
             seen.append((key, value))
         rejection = dataclasses.replace(rejection, seen=seen, fixes=fixes)
-    return SpmdTypeError(rejection, source)
+    return cls(rejection, source)
 
 
 def _rows(rejection: Rejection, source: str | None) -> list[tuple[str, str]]:

@@ -133,7 +133,7 @@ class Mesh:
         if not orthogonal(regions_typed):
             raise ValueError(
                 f"set_current_mesh: the axes ({', '.join(mesh.typed_axes)}) are not independent dims of one mesh "
-                f"(regions {', '.join(r.layout() for r in regions_typed)}); a type per axis needs axes that "
+                f"(regions {', '.join(r.layout_str() for r in regions_typed)}); a type per axis needs axes that "
                 "do not overlap"
             )
         for name in names:
@@ -249,10 +249,10 @@ _MESHES = _MeshStack()
 
 
 @contextlib.contextmanager
-def set_current_mesh(mesh: Any = None, *, local_axes: Iterable[Any] = ()) -> Iterator[Mesh]:
-    """Make ``mesh`` the current mesh for this thread inside the ``with`` block.
+def set_current_mesh(axes: Any = None, *, local_axes: Iterable[Any] = ()) -> Iterator[Mesh]:
+    """Make ``axes`` (a mesh) the current mesh for this thread inside the ``with`` block.
 
-    ``mesh`` is a ``DeviceMesh`` with ``mesh_dim_names``, a ``{name: ProcessGroup}``
+    ``axes`` is a ``DeviceMesh`` with ``mesh_dim_names``, a ``{name: ProcessGroup}``
     or ``{name: MeshAxis}`` dict, or a collection of ``MeshAxis`` / process groups;
     ``None`` keeps the current mesh (to change ``local_axes``). ``local_axes``
     names the outermost axes that stay in local SPMD when checking is global
@@ -264,6 +264,7 @@ def set_current_mesh(mesh: Any = None, *, local_axes: Iterable[Any] = ()) -> Ite
         with spmd.set_current_mesh(mesh), spmd.typecheck():
             x = spmd.assert_type(x, {"dp": spmd.V, "tp": spmd.R})
     """
+    mesh = axes  # the published parameter name: the mesh's axes, in any form above
     if mesh is None:
         outer = current_mesh()
         if outer is None:
@@ -422,6 +423,9 @@ def resolve_axis(axis: Axis) -> str:
             )
         name = axis_key_name(axis)
         if name not in mesh.groups:
+            group = group_named(name)  # a process group's registered name (torchtitan passes group_name)
+            if group is not None:
+                return resolve_axis(group)
             known = ", ".join(repr(a) for a in mesh.axis_names)
             raise ValueError(f"unknown mesh axis {name!r}; the current mesh has axes {known}")
         return name
@@ -469,6 +473,9 @@ def _resolve_in(mesh: Mesh, axis: Any, what: str) -> tuple[str, ...]:
     if isinstance(axis, str):
         name = axis_key_name(axis)
         if name not in mesh.groups:
+            group = group_named(name)
+            if group is not None:
+                return _resolve_in(mesh, group, what)
             known = ", ".join(repr(a) for a in mesh.axis_names)
             raise ValueError(f"unknown mesh axis {name!r}; the current mesh has axes {known}")
         return (name,) if mesh.sizes()[name] > 1 else ()
@@ -485,10 +492,20 @@ def _resolve_in(mesh: Mesh, axis: Any, what: str) -> tuple[str, ...]:
     found = mesh.axes_for_region(region)
     if found is None:
         raise ValueError(
-            f"this {type(axis).__name__} (ranks {region.layout()}) is not an axis, nor a flattening of axes, of the "
-            f"current mesh ({', '.join(f'{n}={mesh.region(n).layout()}' for n in mesh.typed_axes)})"
+            f"this {type(axis).__name__} (ranks {region.layout_str()}) is not an axis, nor a flattening of axes, of the "
+            f"current mesh ({', '.join(f'{n}={mesh.region(n).layout_str()}' for n in mesh.typed_axes)})"
         )
     return found
+
+
+def group_named(name: str) -> dist.ProcessGroup | None:
+    """The process group registered under ``name`` (``group.group_name``), or None."""
+    if not dist.is_available() or not dist.is_initialized() or not name:
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception:  # no group by that name
+        return None
 
 
 def _register_extra_axis(mesh: Mesh, name: str, group: dist.ProcessGroup) -> None:

@@ -121,7 +121,7 @@ def _walk(src: list, dst: list) -> list[tuple[tuple[str, ...], tuple[str, ...], 
                     "a flattened axis has one type")
         if flatten([r for _, r, _ in sg]) != flatten([r for _, r in dg]):
             return (f"axes {_names(sg)} and {_names(dg)} have the same size but run over different ranks "
-                    f"({flatten([r for _, r, _ in sg]).layout()} vs {flatten([r for _, r in dg]).layout()})")
+                    f"({flatten([r for _, r, _ in sg]).layout_str()} vs {flatten([r for _, r in dg]).layout_str()})")
         groups.append((tuple(n for n, _, _ in sg), tuple(n for n, _ in dg), kind))
     return groups
 

@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 
 __all__ = [
     "SpmdType",
+    "AxisType",
     "R",
     "I",
     "V",
@@ -30,6 +31,34 @@ __all__ = [
 
 
 class SpmdType:
+    """An SPMD type: one axis's (R, I, V, P, S(d), the :class:`AxisType` values) or a whole tensor's.
+
+    ``isinstance(spmd.R, spmd.SpmdType)`` holds, as every per-axis type is one.
+    Called as the published API builds a whole-tensor type,
+    ``spmd.SpmdType(local_type, partition_spec=None)`` gives a
+    :class:`~spmd_types.types.TensorSpmdType` (also an ``SpmdType``): the
+    per-axis types and the layout, which ``assert_type`` and ``local_map`` take.
+
+    Example::
+
+        >>> import spmd_types as spmd
+        >>> isinstance(spmd.R, spmd.SpmdType), spmd.SpmdType({"tp": spmd.S(0)}).local_type
+        (True, {'tp': S(0)})
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *args: object, **kwargs: object) -> SpmdType:
+        if cls is SpmdType:  # the published whole-tensor form; type.__call__ then runs its __init__
+            return object.__new__(WHOLE_TYPE[0])
+        return object.__new__(cls)
+
+
+# the whole-tensor type's class, set by _core/whole_type.py (which reads this module)
+WHOLE_TYPE: list = [None]
+
+
+class AxisType(SpmdType):
     """One local SPMD type on one mesh axis: R, I, V, P or S(d).
 
     Example::
@@ -42,12 +71,6 @@ class SpmdType:
     __slots__ = ("_short", "_long")
 
     def __init__(self, short: str, long: str) -> None:
-        if not (isinstance(short, str) and isinstance(long, str)):
-            raise TypeError(
-                "spmd.SpmdType is one axis's type here (spmd.R, spmd.I, spmd.V, spmd.P, spmd.S(d)), not built from "
-                "arguments; the published API's SpmdType(local_type, partition_spec) is not built: give both to "
-                "spmd.assert_type(x, types, partition_spec)"
-            )
         object.__setattr__(self, "_short", short)
         object.__setattr__(self, "_long", long)
 
@@ -87,7 +110,7 @@ class SpmdType:
         return backward_type(self)
 
 
-class PerMeshAxisLocalSpmdType(SpmdType):
+class PerMeshAxisLocalSpmdType(AxisType):
     """The four types a tensor stores per axis: R, I, V and P (``S(d)`` is V with a layout).
 
     Example::
@@ -130,8 +153,12 @@ Replicate = R
 Invariant = I
 Varying = V
 Partial = P
+# the published API's enum members: PerMeshAxisLocalSpmdType.R is spmd.R
+for _t in (R, I, V, P):
+    setattr(PerMeshAxisLocalSpmdType, _t.name, _t)
+del _t
 
-class Shard(SpmdType):
+class Shard(AxisType):
     """``S(d)``: V whose shards concatenate on tensor dim ``d``; ``Shard(d) is S(d)`` (one object per dim).
 
     Example::
@@ -149,7 +176,7 @@ class Shard(SpmdType):
         found = cls._interned.get(dim)
         if found is None:
             found = object.__new__(cls)
-            SpmdType.__init__(found, f"S({dim})", f"Shard({dim})")
+            AxisType.__init__(found, f"S({dim})", f"Shard({dim})")
             object.__setattr__(found, "dim", dim)
             cls._interned[dim] = found
         return found
@@ -225,10 +252,12 @@ def shard_in_range(t: SpmdType, ndim: int, what: str) -> SpmdType:
     return t if d >= 0 else S(d + ndim)
 
 
-def check_type_value(value: object, what: str) -> SpmdType:
-    """Return ``value`` if it is an SPMD type, else raise a TypeError naming ``what``."""
-    if isinstance(value, SpmdType):
+def check_type_value(value: object, what: str) -> AxisType:
+    """Return ``value`` if it is one axis's SPMD type, else raise a TypeError naming ``what``."""
+    if isinstance(value, AxisType):
         return value
+    if value is Shard:
+        raise TypeError(f"{what}: spmd.S needs a dim: spmd.S(0)")
     raise TypeError(
         f"{what} must be an SPMD type (spmd.R, spmd.I, spmd.V, spmd.P or spmd.S(d)), "
         f"got {value!r} of type {type(value).__name__}"
@@ -413,7 +442,7 @@ class TypeMap:
 def _type_map_of(items: tuple[tuple[str, SpmdType], ...]) -> TypeMap:
     """Unpickle a TypeMap (a module-level function, so ``torch.load(weights_only=True)`` can allow it)."""
     if not isinstance(items, tuple) or not all(
-        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and isinstance(i[1], SpmdType) for i in items
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and isinstance(i[1], AxisType) for i in items
     ):
         raise TypeError(f"a TypeMap is a tuple of (axis name, SPMD type) pairs, got {items!r:.80}")
     return TypeMap.of(items)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._core.errors import Rejection, SpmdTypeError, op_error
+from .._core.errors import DTensorPropagationError, Rejection, SpmdTypeError, op_error
 from .._core.spec import Spec, check_placement
 from .._core.types import TypeMap
 from .._local.op_registry import _resolve, entry_for
@@ -279,8 +279,8 @@ def _propagate(func, args, kwargs, out, out_types, global_axes, sizes, partial) 
             spec = row.rule(ctx)
     if isinstance(spec, PendingSum) and out is not PENDING:
         return spec  # the caller decides: a pending sum, or this error (raise_pending)
-    if isinstance(spec, Rejection):
-        raise op_error(spec, getattr(func, "__name__", ""), entry.row.params)
+    if isinstance(spec, Rejection):  # no rule gives the result's layout
+        raise op_error(spec, getattr(func, "__name__", ""), entry.row.params, DTensorPropagationError)
     if out_types is not None and out is not PENDING:
         why = check_placement(out_types, spec, global_axes - partial)
         if why:

@@ -182,10 +182,10 @@ def _axes_in(types: TypeMap, region: MeshAxis) -> tuple[str, ...] | None:
 
 
 def _not_an_axis(name: str, have: TypeMap, region: MeshAxis) -> SpmdTypeError:
-    axes = ", ".join(f"{n}={r.layout()}" for n, r in (have.space.pairs if have.space is not None else ()))
+    axes = ", ".join(f"{n}={r.layout_str()}" for n, r in (have.space.pairs if have.space is not None else ()))
     return SpmdTypeError(
         Rejection(
-            f"A gradient is summed over a group (ranks {region.layout()}) that is neither an axis of its mesh nor a "
+            f"A gradient is summed over a group (ranks {region.layout_str()}) that is neither an axis of its mesh nor a "
             "flattening of its axes; the sum covers part of an axis and mixes what it should not.",
             [("parameter", name), ("gradient", have.format()), ("its mesh", axes)],
             [f"sum {name} over the group of the axes where it is P (an expert parameter: the expert data-parallel "

@@ -1,0 +1,72 @@
+"""Functions that type themselves are registered with no decorator: the published API's detection of hooks.
+
+A ``torch.autograd.Function`` with an ``spmd_typecheck`` (or the older
+``typecheck_forward``) staticmethod says how it types itself, so it needs no
+``register_autograd_function`` call. Functions that exist when the package is
+imported are found by walking ``torch.autograd.Function``'s subclasses (torch's
+own included); a Function defined later is registered when its class is made,
+by a wrapper around torch's ``FunctionMeta.__init__`` that registers a class
+carrying a hook and changes nothing else (no class without a hook is touched).
+``typecheck()`` walks the subclasses again, for classes made while the wrapper
+was not installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._checker.asserts import ON_FIRST_TYPECHECK
+from .autograd_functions import register_autograd_function, registration_of
+
+__all__ = ["register_hooked_functions", "install", "HOOKS"]
+
+HOOKS = ("spmd_typecheck", "typecheck_forward")
+_SEEN: set[type] = set()
+_ORIGINAL_INIT: list = []
+
+
+def _has_hook(cls: type) -> bool:
+    return any(callable(getattr(cls, name, None)) for name in HOOKS)
+
+
+def _register_if_hooked(cls: type) -> None:
+    if cls in _SEEN:
+        return
+    _SEEN.add(cls)
+    if _has_hook(cls) and registration_of(cls) is None and "forward" in _own_or_inherited(cls):
+        register_autograd_function(cls)
+
+
+def _own_or_inherited(cls: type) -> set[str]:
+    return {name for klass in cls.__mro__ for name in vars(klass)}
+
+
+def register_hooked_functions() -> None:
+    """Register every existing Function subclass that carries a hook and is not registered yet."""
+    stack = list(torch.autograd.Function.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        if cls not in _SEEN:
+            _register_if_hooked(cls)
+        stack.extend(cls.__subclasses__())
+
+
+def install() -> None:
+    """Register the hooked Functions that exist, and those made from now on (idempotent)."""
+    from torch.autograd.function import FunctionMeta
+
+    if not _ORIGINAL_INIT:
+        original = FunctionMeta.__init__
+        _ORIGINAL_INIT.append(original)
+
+        def __init__(cls: Any, name: str, bases: tuple, attrs: dict) -> None:  # noqa: N807 - the metaclass's own
+            original(cls, name, bases, attrs)
+            if any(h in attrs for h in HOOKS):
+                _register_if_hooked(cls)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        FunctionMeta.__init__ = __init__  # type: ignore[method-assign]
+        ON_FIRST_TYPECHECK.append(register_hooked_functions)
+    register_hooked_functions()
