@@ -137,7 +137,8 @@ def _dst_choices(s: tuple[int, ...], n: int, key: str) -> list[tuple[str, dict, 
     for d in range(len(s)):
         if _split_ok(s, d, n):
             out.append((f"S{d}", {}, _times(s, d, 1 / n)))
-            out.append(("V", {key: d}, _times(s, d, 1 / n)))
+        if d > 0 and s[d] == n:  # V with a dim: this rank's entry of dim d (the published meaning: unstacked)
+            out.append(("V", {key: d}, s[:d] + s[d + 1:]))
     return out
 
 
@@ -148,7 +149,7 @@ def _gathered(src: str, s: tuple[int, ...], n: int, key: str) -> list[tuple[str,
         if d >= len(s):
             return []
         return [(src, {}, _times(s, d, n)), ("V", {}, (n,) + s)]  # S(d) refines V: gathering it stacked is allowed
-    return [("V", {}, (n,) + s)] + [("V", {key: d}, _times(s, d, n)) for d in range(len(s))]
+    return [("V", {}, (n,) + s)] + [("V", {key: d}, s[:d] + (n,) + s[d:]) for d in range(1, len(s) + 1)]  # stacked on d
 
 
 _ROWS = [(t.op, str(t.src), str(t.dst)) for t in TRANSITIONS]
@@ -187,10 +188,14 @@ def _all_to_all_moves(t: str, s: tuple[int, ...], n: int) -> list:
     out = []
     if t == "V":
         for j in range(len(s)):
-            if _split_ok(s, j, n):
+            if _split_ok(s, j, n):  # one dim: split it, concatenate what arrives on it
+                out.append(("all_to_all", "V", "V", {"split_dim": j, "concat_dim": j}, s))
+            if s[j] == n:  # two dims (the published meaning): unbind dim j, stack what arrives on dim i
                 for i in range(len(s)):
-                    out.append(("all_to_all", "V", "V", {"split_dim": j, "concat_dim": i},
-                                _times(_times(s, j, 1 / n), i, n)))
+                    if i != j:
+                        rest = s[:j] + s[j + 1:]
+                        out.append(("all_to_all", "V", "V", {"split_dim": j, "concat_dim": i},
+                                    rest[:i] + (n,) + rest[i:]))
     elif int(t[1:]) < len(s):
         i = int(t[1:])
         for j in range(len(s)):  # j == i: the identity (it scrambled blocks before issue 11 item 6)

@@ -314,19 +314,17 @@ def _ordinary(stmt: Stmt, dens: list[Den], sizes: tuple[int, ...]) -> Den:
 
 
 def _full(item: Any, src: str, params: dict) -> torch.Tensor:
-    """The one tensor a list means: stacked (V) or concatenated (S(d), or V with a given dim)."""
+    """The one tensor a list means: stacked (V, on a new dim gather_dim when given) or concatenated (S(d))."""
     if src.startswith("S"):
         return torch.cat(item, int(src[1:]))
-    dim = params.get("gather_dim")
-    return torch.stack(item) if dim is None else torch.cat(item, dim)
+    return torch.stack(item, params.get("gather_dim") or 0)  # V: stacked, on gather_dim when given
 
 
 def _slices(x: torch.Tensor, dst: str, n: int, params: dict) -> list[torch.Tensor]:
     """The list a tensor becomes when each rank keeps its part: x[rank] (V) or chunk rank of dim d (S(d))."""
     if dst.startswith("S"):
         return list(x.chunk(n, int(dst[1:])))
-    dim = params.get("scatter_dim")
-    return list(x.unbind(0)) if dim is None else list(x.chunk(n, dim))
+    return list(x.unbind(params.get("scatter_dim") or 0))  # V: this rank's entry of dim 0, or of scatter_dim
 
 
 def _total(item: Any, src: str) -> torch.Tensor:
@@ -353,8 +351,10 @@ def _convert(item: Any, src: str, dst: str, n: int, params: dict) -> Any:
 def _all_to_all(item: list, src: str, dst: str, n: int, params: dict) -> list:
     if src.startswith("S") and dst.startswith("S"):  # the meaning is kept: re-slice the concatenation
         return list(torch.cat(item, int(src[1:])).chunk(n, int(dst[1:])))
-    split = int(dst[1:]) if dst.startswith("S") else params["split_dim"]
-    concat = int(src[1:]) if src.startswith("S") else params["concat_dim"]
+    split = int(src[1:]) if src.startswith("S") else params.get("split_dim") or 0  # the published meaning
+    concat = int(dst[1:]) if dst.startswith("S") else params.get("concat_dim") or 0
+    if src == "V" and dst == "V" and split != concat:  # unbind split_dim, stack what arrives on concat_dim
+        return [torch.stack([x.select(split, j) for x in item], concat) for j in range(n)]
     pieces = [x.chunk(n, split) for x in item]  # rank j receives piece j of every rank's value
     return [torch.cat([pieces[r][j] for r in range(n)], concat) for j in range(n)]
 

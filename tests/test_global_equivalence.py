@@ -418,7 +418,7 @@ def _vocab_parallel_ce(n_classes, batch=None):
         # logits: this rank's [N, C / tp] block; target: the global class ids, the same on every rank
         # the row maxima of every rank, [tp, N] -> [N] (concatenated on a new dim 0 rather than stacked, which
         # would lose the layout on dp: see test_stacking_collective_on_a_local_axis_keeps_the_global_layout)
-        m = spmd.all_gather(logits.detach().amax(1).unsqueeze(0), "tp", src=V, dst=R, gather_dim=0).amax(0)
+        m = spmd.all_gather(logits.detach().amax(1).unsqueeze(0), "tp", src=S(0), dst=R).amax(0)
         shifted = logits - m.unsqueeze(1)
         sumexp = spmd.all_reduce(shifted.exp().sum(1), "tp", src=V, dst=R)
         onehot = (torch.arange(n_classes) == target.unsqueeze(1)).to(logits.dtype)  # [N, C], R

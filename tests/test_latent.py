@@ -113,7 +113,7 @@ def test_assert_type_records_as_remember_does(mesh_dp_tp):
     types, spec = {"dp": V, "tp": S(0)}, spmd.PartitionSpec("tp", None)
     a, b = torch.randn(4, 2), torch.randn(4, 2)
     with spmd.set_current_mesh(mesh_dp_tp):
-        spmd.assert_type(a, types, spec)
+        spmd.assert_type(a, types, partition_spec=spec)
         latent.remember(b, types, spec)
     ra, rb = latent.remembered(a), latent.remembered(b)
     assert ra == rb and ra[0] is types and ra[1] is spec and ra[2] is not None

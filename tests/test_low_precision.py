@@ -116,7 +116,7 @@ def _apply(row, layout: str, x: torch.Tensor, axis, **opts) -> torch.Tensor:
     src, dst = _types(row, layout)
     fn = getattr(spmd, row.op)
     if row.op == "all_to_all" and layout == "stack":
-        return fn(x, axis, src=V, dst=V, split_dim=1, concat_dim=0, **opts)
+        return fn(x, axis, src=V, dst=V, split_dim=0, concat_dim=1, **opts)  # the published meaning: unbind 0, stack on 1
     return fn(x, axis, src=src, dst=dst, **opts)
 
 
@@ -171,7 +171,7 @@ def _check_forward(mesh, row, layout, x_op, y, src, dst, op_d, out_d) -> None:
         return
     want = denote(x_op.double(), mesh, {"tp": src})  # a P input's meaning: the exact sum of its rounded parts
     if row.op == "all_to_all" and layout == "stack":
-        want = _all_to_all_spec(want, split_dim=1, concat_dim=0)
+        want = _all_to_all_spec(want, split_dim=0, concat_dim=1)
     want = want.to(op_d).to(out_d)  # the op's result is in op_dtype, then cast to out_dtype
     got = denote(y.double(), mesh, {"tp": dst})
     assert torch.equal(got, want.double())

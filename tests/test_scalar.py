@@ -107,7 +107,8 @@ def test_bad_values(tp4):
         with pytest.raises(TypeError) as info:
             spmd.Scalar(1.0, [V])
         assert str(info.value) == (
-            "assert_type takes types as a dict {axis: type}, e.g. {'tp': spmd.R}; got [V]"
+            "assert_type takes types as a dict {axis: type}, e.g. {'tp': spmd.R}, an spmd.SpmdType, a PartitionSpec, "
+            "or one of R, I, V, P; got [V]"
         )
 
 

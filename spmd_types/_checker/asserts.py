@@ -160,8 +160,9 @@ def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
     Keys are names (str or StrEnum), ProcessGroups, MeshAxis objects or 1-D
     DeviceMeshes; a key over several axes (a flattened group) types each of
     them; a key of size 1 types nothing. When two keys name one axis, the later
-    may agree, or refine V to S(d) (torchtitan's ``{**spmd.get_local_type(x), tp_group: spmd.S(1)}``); two
-    types for one axis are an SpmdTypeError naming it.
+    may agree, refine V to S(d), or change a type read back with ``get_local_type``
+    (its keys are MeshAxis objects: torchtitan's loss does ``out = dict(spmd.get_local_type(x));
+    out[tp_group] = spmd.I``); two types the caller spelled for one axis are an SpmdTypeError naming it.
     """
     if not isinstance(types, Mapping):
         raise TypeError(f"{what} takes types as a dict {{axis: type}}, e.g. {{'tp': spmd.R}}; got {types!r}")
@@ -176,10 +177,20 @@ def _resolve_types(types: TypeSpec, what: str) -> dict[str, SpmdType]:
             if have is not None and have is not t and not (have is V and t.is_varying):
                 if t is V and have.is_varying:  # V after S(d): S(d) already says more
                     continue
+                if _read_back(keys[name]) and not _read_back(a):  # a type read with get_local_type, changed
+                    out[name], keys[name] = t, a
+                    continue
                 raise SpmdTypeError(f"{what}: axis '{name}' is given two types, {have} (key {_key_text(keys[name])}) "
                                     f"and {t} (key {_key_text(a)}); an axis has one type")
             out[name], keys[name] = t, a
     return out
+
+
+def _read_back(key: Any) -> bool:
+    """A key as ``get_local_type`` spells it (a MeshAxis), not as a caller names an axis (a name or a group)."""
+    from .._core.axes import MeshAxis
+
+    return isinstance(key, MeshAxis)
 
 
 def _key_text(key: Any) -> str:
@@ -288,6 +299,10 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
     if published:  # the published 0.2.3 keyword, assert_type(tensor=x, type={...})
         types = _published_type(types, published)
     if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
+        if routed():  # torch.compile traces: the parts (references to types read in the trace) join when checked
+            if STATE.checking:
+                traced_call("assert_type", t, types, *more, partition_spec=partition_spec)
+            return t
         types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
     if not STATE.checking:  # erased: recorded for a later typecheck(), t stays plain (latent.py)
         if type(t) in _PLAIN and not compiling() and (type(types) is not dict or id(t) not in RECORDS):
@@ -303,7 +318,7 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
             types, partition_spec = _joined_record(remembered(t), types, partition_spec)
         return remember(t, types, partition_spec)
     if routed():  # torch.compile traces: one graph node, which the compiled graph's checker reads
-        traced_call("assert_type", t, types, partition_spec)
+        traced_call("assert_type", t, types, partition_spec=partition_spec)
         return t
     if current_mesh() is None:  # typed by groups alone: the axes named (or t's own) are the mesh
         own = _own_mesh(t, types, partition_spec)
