@@ -48,9 +48,9 @@ c10d_functional = torch.ops._c10d_functional  # the functional collectives' ops 
 execution_engine = torch.autograd.Variable._execution_engine  # queue_callback: run at the end of backward
 
 
-def storage_handle(storage: Any) -> int:
-    """A storage's C handle (``UntypedStorage._cdata``), as :data:`storage_use_count` takes it."""
-    return storage._cdata
+def storage_holders(storage: Any) -> int:
+    """How many hold ``storage`` (``_storage_Use_Count`` of its C handle, ``UntypedStorage._cdata``)."""
+    return storage_use_count(storage._cdata)
 
 
 def op_schema(op: Any) -> Any:
@@ -121,6 +121,7 @@ tree_unflatten = _pytree.tree_unflatten
 tree_map = _pytree.tree_map
 tree_leaves = _pytree.tree_leaves
 tree_map_only = _pytree.tree_map_only
+TreeSpec = _pytree.TreeSpec  # a flattened structure (a nonstrict-traced call's arguments)
 
 # --- fake tensors (``torch._subclasses``, loaded by ``import torch``) ---------------------------------------
 FakeTensor = _fake_tensor.FakeTensor  # a tensor with no data (shape propagation, compile's example values)
@@ -144,6 +145,11 @@ def simulator_or_none() -> ModuleType | None:
 def prepare_collective_groups(group: Any) -> tuple[list[int], list[int], int]:
     """The simulator's layout of ``group``: (ranks from the first, group offsets, stride)."""
     return importlib.import_module("torch.distributed._local_tensor._c10d")._prepare_collective_groups(group)
+
+
+def int_on_rank(node: Any, rank: int) -> int:
+    """A per-rank int node's value on ``rank`` (``_local_tensor._int_on_rank``)."""
+    return simulator()._int_on_rank(node, rank)
 
 
 def local_dist_class() -> type | None:
@@ -257,9 +263,10 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch._C._SymNode": lambda: SymNode,
     "torch.ops._c10d_functional.wait_tensor": lambda: c10d_functional.wait_tensor,
     "torch.autograd.Variable._execution_engine.queue_callback": lambda: execution_engine.queue_callback,
-    "torch.UntypedStorage._cdata": lambda: storage_handle(torch.empty(1).untyped_storage()),
+    "torch.UntypedStorage._cdata": lambda: storage_holders(torch.empty(1).untyped_storage()),
     "torch._ops.OpOverload._schema": lambda: op_schema(torch.ops.aten.add.Tensor).arguments,
     "torch.nn.Module._parameters": lambda: module_parameters(torch.nn.Linear(1, 1)),
+    "torch.Tensor._base": lambda: torch.ones(2)[:1]._base,  # read in place by _checker/run_ops.py (a hot path)
     "torch.compiler._is_compiling_flag": compiling_flag,
     "torch.autograd.Function.__dict__['apply']": lambda: FUNCTION_APPLY,
     "torch.distributed.distributed_c10d._world._default_pg": lambda: hasattr(c10d_world, "_default_pg") or None,
@@ -275,6 +282,7 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch.utils._pytree.tree_map": lambda: tree_map,
     "torch.utils._pytree.tree_leaves": lambda: tree_leaves,
     "torch.utils._pytree.tree_map_only": lambda: tree_map_only,
+    "torch.utils._pytree.TreeSpec": lambda: TreeSpec,
     "torch._subclasses.fake_tensor.FakeTensor": lambda: FakeTensor,
     "torch._subclasses.fake_tensor.FakeTensorMode": lambda: FakeTensorMode,
     "torch.distributed._local_tensor": simulator,
@@ -290,7 +298,7 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch.distributed._local_tensor.maybe_disable_local_tensor_mode":
         lambda: simulator().maybe_disable_local_tensor_mode,
     "torch.distributed._local_tensor.maybe_run_for_local_tensor": lambda: simulator().maybe_run_for_local_tensor,
-    "torch.distributed._local_tensor._int_on_rank": lambda: simulator()._int_on_rank,
+    "torch.distributed._local_tensor._int_on_rank": lambda: int_on_rank(simulator().LocalIntNode({0: 3, 1: 4}), 1),
     "torch.distributed._local_tensor._c10d._prepare_collective_groups":
         lambda: importlib.import_module("torch.distributed._local_tensor._c10d")._prepare_collective_groups,
     "torch.distributed._local_tensor._LocalContiguous": lambda: simulator()._LocalContiguous,
