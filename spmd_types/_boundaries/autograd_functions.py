@@ -42,7 +42,7 @@ from .._guards.function_guard import ALLOWED, torch_transparent
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
-from .._torch.private import DisableTorchFunctionSubclass, graph_break, loaded_dynamo
+from .._torch.private import FUNCTION_APPLY, DisableTorchFunctionSubclass, graph_break, loaded_dynamo
 from .decomposition import decomposed_apply
 from .hook_apply import run_spmd_typecheck
 
@@ -53,7 +53,7 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _DisableTF = DisableTorchFunctionSubclass
 # Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
-_FUNCTION_BASE_APPLY = torch.autograd.Function.__dict__["apply"]
+_FUNCTION_BASE_APPLY = FUNCTION_APPLY
 
 
 class Registration(NamedTuple):

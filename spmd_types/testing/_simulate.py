@@ -135,6 +135,7 @@ def simulate(
 def _fake_world(size: int, rank: int = 0) -> bool:
     """Make the default process group a fake one of ``size`` ranks, this process ``rank``; True if this call created it."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         backend = dist.get_backend()
         if backend == "fake" and dist.get_world_size() == size and dist.get_rank() == rank:
