@@ -24,7 +24,6 @@ with checking off the wrapper calls the original ``apply`` straight away.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -43,6 +42,7 @@ from .._guards.function_guard import ALLOWED, torch_transparent
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
+from .._torch.private import FUNCTION_APPLY, DisableTorchFunctionSubclass, graph_break, loaded_dynamo
 from .decomposition import decomposed_apply
 from .hook_apply import run_spmd_typecheck
 
@@ -51,9 +51,9 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
            "register_local_autograd_function", "register_decomposition", "pure_rule"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-_DisableTF = torch._C.DisableTorchFunctionSubclass
+_DisableTF = DisableTorchFunctionSubclass
 # Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
-_FUNCTION_BASE_APPLY = torch.autograd.Function.__dict__["apply"]
+_FUNCTION_BASE_APPLY = FUNCTION_APPLY
 
 
 class Registration(NamedTuple):
@@ -176,7 +176,7 @@ def _eager_apply() -> Any:
     ``sys.modules`` half made, without ``disable``; the plain form serves until a compile starts.
     """
     if not _DISABLED:
-        disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+        disable = getattr(loaded_dynamo(), "disable", None)
         if disable is not None:
             _DISABLED.append(disable(_typed_apply))
     return _DISABLED[0] if _DISABLED else _typed_apply
@@ -202,7 +202,7 @@ def _eager_under_checked_compile(forward: Any) -> Any:
 
     def forward_(ctx: Any, *args: Any, **kwargs: Any) -> Any:
         if dynamo_tracing() and STATE.checking:
-            torch._dynamo.graph_break()
+            graph_break()
         return fn(ctx, *args, **kwargs)
 
     forward_.__wrapped__ = fn  # type: ignore[attr-defined]

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .._checker.tensor import _DisableTF, _wrap, make_typed
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
+from .._torch.private import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["decomposed_apply"]
 
@@ -66,6 +66,4 @@ def decomposed_apply(cls: type, ref_impl: Callable[..., Any], run: Callable[[tup
 
 
 def tree_unflatten_like(real: Any, leaves: list) -> Any:
-    from torch.utils._pytree import tree_unflatten
-
     return tree_unflatten(leaves, tree_flatten(real)[1])

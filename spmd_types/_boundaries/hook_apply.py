@@ -19,10 +19,10 @@ import inspect
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .._core.errors import SpmdTypeError
 from .._core.phantom import COVERAGE, RULES_USED, NdimWithSpmdType
+from .._torch.private import tree_flatten
 from .hook_rules import output
 
 __all__ = ["run_spmd_typecheck", "bind_forward_args", "hook_shape", "hook_kwargs", "tensors_in"]

@@ -21,11 +21,12 @@ from .._core.types import P, TypeMap
 from .._global.shard_props import PendingSum
 from .._global.shard_rules import explain_failure, propagate, raise_pending
 from .._local.op_registry import entry_for
+from .._torch.private import DisableTorchFunctionSubclass
 from .run_ops import _TYPED_CLASSES
 
 __all__ = ["onto_current_mesh", "explain", "global_types", "set_spec"]
 
-_DisableTF = torch._C.DisableTorchFunctionSubclass
+_DisableTF = DisableTorchFunctionSubclass
 
 
 def onto_current_mesh(func, args, kwargs) -> None:

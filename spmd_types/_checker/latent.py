@@ -27,10 +27,10 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.mesh import _MESHES, current_mesh, set_current_mesh
+from .._torch.private import c10d_world
 
 __all__ = ["remember", "apply_remembered", "remembered", "RECORDS", "PLAIN", "C10D_WORLD", "prune"]
 
@@ -41,7 +41,7 @@ _PRUNE_FLOOR = 1024
 prune_at = _PRUNE_FLOOR
 # torch's process-group world; its ``_default_pg`` (what ``default_pg`` returns, read without the property's
 # call: the erased assert_type reads it on every call) is the current world. tests/test_latent.py checks it.
-C10D_WORLD = dist.distributed_c10d._world if dist.is_available() else None
+C10D_WORLD = c10d_world
 _ref = weakref.ref
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # exactly these classes: no DTensor, no LTensor, no container
 

@@ -17,10 +17,11 @@ import torch
 from .._core.mesh import current_mesh
 from .._core.state import BY_GRADIENT, BY_GRADIENT_AND_MESH, BY_MESH
 from .._local.rules import backward_possible
+from .._torch.private import DisableTorchFunctionSubclass
 
 __all__ = ["Keyed", "keyed_by", "more_key", "gradient_bits"]
 
-_DisableTF = torch._C.DisableTorchFunctionSubclass
+_DisableTF = DisableTorchFunctionSubclass
 
 
 class Keyed:

@@ -19,14 +19,20 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.state import STATE
 from .._local.op_registry import ENTRIES
 from .._local.rules_table import RuleKind
+from .._torch.private import (
+    DisableTorchFunctionSubclass,
+    TorchDispatchMode,
+    execution_engine,
+    len_torch_dispatch_stack,
+    local_tensors_of,
+)
 
-_DisableTF = torch._C.DisableTorchFunctionSubclass
-_dispatch_depth = torch._C._len_torch_dispatch_stack
+_DisableTF = DisableTorchFunctionSubclass
+_dispatch_depth = len_torch_dispatch_stack
 
 # typed class -> the class it is swapped to for a call; every typed class (filled by the tensor layer)
 _SWAP_BACK: dict[type, type] = {}
@@ -105,7 +111,7 @@ def _swap_for_plain_root(refs, grad_outputs) -> None:
             swapped.append((x, type(x)))
             x.__class__ = _SWAP_BACK[type(x)]
     if swapped:
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_restore, swapped))
+        execution_engine.queue_callback(functools.partial(_restore, swapped))
     return None
 
 
@@ -264,7 +270,7 @@ def holds_only_zeros(t: torch.Tensor) -> bool:
             if t.device.type == "meta":
                 return False
             nonzero = t.any()
-            per_rank = getattr(nonzero, "_local_tensors", None)  # a LocalTensor: one flag per simulated rank
+            per_rank = local_tensors_of(nonzero)  # a LocalTensor: one flag per simulated rank
             return not any(bool(f) for f in (per_rank.values() if per_rank is not None else (nonzero,)))
     finally:
         for x, tp in swapped:

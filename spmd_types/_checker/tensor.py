@@ -33,6 +33,12 @@ from .._guards.transforms import (
 from .._guards.unchecked_code import UNCHECKED_CODES, in_unchecked_code
 from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import infer
+from .._torch.private import (
+    DisableTorchFunctionSubclass,
+    is_fwd_grad_enabled,
+    is_torch_function_enabled,
+    len_torch_dispatch_stack,
+)
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
 from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
@@ -53,11 +59,11 @@ from .zero_buffers import into_zeros, known_into_zeros, remember, storage_shared
 
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
-_DisableTF = torch._C.DisableTorchFunctionSubclass
-_dispatch_depth = torch._C._len_torch_dispatch_stack
-_tf_enabled = torch._C._is_torch_function_enabled
+_DisableTF = DisableTorchFunctionSubclass
+_dispatch_depth = len_torch_dispatch_stack
+_tf_enabled = is_torch_function_enabled
 _grad_enabled = torch.is_grad_enabled
-_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
+_fwd_grad_enabled = is_fwd_grad_enabled
 
 # Ops typed elsewhere: func -> handler(func, args, kwargs). _foreach.py registers the
 # multi-tensor (torch._foreach_*) and fused optimizer (torch._fused_*) kernels.

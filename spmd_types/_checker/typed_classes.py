@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._torch.private import FakeTensor, simulator_or_none
 from .run_ops import _SWAP_BACK, _TYPED_CLASSES, _swap_to_base
 
 __all__ = ["register_bases", "typed_class_for"]
@@ -45,11 +46,8 @@ def typed_class_for(t: torch.Tensor) -> type:
 def _wrapper_for(tp: type) -> type | None:
     """The typed subclass of ``LocalTensor`` or ``FakeTensor``, made on first use."""
     extra: dict[str, Any] = {}
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except ImportError:  # pragma: no cover - torch without the simulator
-        LocalTensor = None  # noqa: N806
-    from torch._subclasses.fake_tensor import FakeTensor
+    sim = simulator_or_none()
+    LocalTensor = None if sim is None else sim.LocalTensor  # noqa: N806
 
     if tp is LocalTensor:
         # LocalTensor.contiguous is a custom autograd Function whose result is a plain LocalTensor; the typed

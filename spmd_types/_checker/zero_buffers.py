@@ -22,11 +22,12 @@ from .._core.state import STATE
 from .._core.types import TypeMap
 from .._local.op_registry import OpEntry
 from .._local.rules import backward_possible, infer
+from .._torch.private import DisableTorchFunctionSubclass, storage_holders
 from .run_ops import holds_only_zeros
 
 __all__ = ["known_into_zeros", "into_zeros", "remember", "KNOWN", "storage_shared"]
 
-_DisableTF = torch._C.DisableTorchFunctionSubclass
+_DisableTF = DisableTorchFunctionSubclass
 
 # non-strict, strict: the result cache's key -> the type a qualifying buffer of zeros gave that call
 KNOWN: tuple[dict, dict] = ({}, {})
@@ -59,7 +60,7 @@ def storage_shared(t: torch.Tensor) -> bool:
     try:
         storage = t.untyped_storage()
         # held by t and by the storage object just made; a third holder is another tensor (or saved for backward)
-        return torch._C._storage_Use_Count(storage._cdata) > 2
+        return storage_holders(storage) > 2
     except (RuntimeError, NotImplementedError, AttributeError):  # a tensor without storage: assume it is shared
         return True
 

@@ -28,6 +28,12 @@ from .._core.state import STATE
 from .._core.types import P, S, SpmdType, TypeMap, V, backward_type, check_type_value, compatible, shard_in_range
 from .._guards.strict import untyped_input
 from .._local.transitions import allowed, backward_of, find, route_call
+from .._torch.private import (
+    AutoDispatchBelowAutograd,
+    are_functorch_transforms_active,
+    functorch_unwrap_if_dead,
+    len_torch_dispatch_stack,
+)
 from .dtypes import backward_plan, casting
 from .impl import AxisComm
 from .kernels import KERNELS
@@ -118,8 +124,8 @@ _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {op: _make_function(op) f
 # Function.apply is a Python wrapper that, with no functorch transform active, unwraps dead functorch
 # wrappers and calls the C++ apply: the erased path does the same two steps itself (see ``erased``).
 _APPLY = {op: super(torch.autograd.Function, f).apply for op, f in _FUNCTIONS.items()}
-_functorch_active = torch._C._are_functorch_transforms_active
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_functorch_active = are_functorch_transforms_active
+_unwrap_if_dead = functorch_unwrap_if_dead
 _TENSOR = torch.Tensor
 _PARAMETER = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
@@ -142,9 +148,9 @@ def _with_casts(kernel: Any, call: Call) -> Any:
     return kernel if d is None or (d.op is None and d.out is None) else casting(kernel)
 
 
-_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+_BELOW_AUTOGRAD = AutoDispatchBelowAutograd
 _compiling = torch.compiler.is_compiling
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_modes = len_torch_dispatch_stack
 
 
 def _below_autograd(kernel: Any, x: torch.Tensor, call: Call) -> torch.Tensor:

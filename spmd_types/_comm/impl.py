@@ -18,12 +18,14 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from .._torch.private import c10d_functional, functional_collectives, prepare_collective_groups, simulator_or_none
+
 __all__ = [
     "AxisComm", "group_rank", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven",
     "take_slice", "keep_on_first", "place_slice", "scaled",
 ]
 
-_c10d = torch.ops._c10d_functional
+_c10d = c10d_functional
 # The overloads themselves (what the op packets resolve to on every call): one Python call less each.
 _ALL_REDUCE = _c10d.all_reduce.default
 _ALL_GATHER = _c10d.all_gather_into_tensor.default
@@ -64,9 +66,7 @@ DEFER = [False]
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     if DEFER[0]:
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-        return AsyncCollectiveTensor(t)
+        return functional_collectives().AsyncCollectiveTensor(t)
     return _WAIT(t)
 
 
@@ -79,11 +79,7 @@ _SIMULATOR: list = []  # [the torch.distributed._local_tensor module, or None], 
 
 def _simulator():
     if not _SIMULATOR:
-        try:
-            import torch.distributed._local_tensor as sim
-        except ImportError:  # pragma: no cover - torch without the simulator
-            sim = None
-        _SIMULATOR.append(sim)
+        _SIMULATOR.append(simulator_or_none())
     return _SIMULATOR[0]
 
 
@@ -108,9 +104,7 @@ def group_rank(comm: AxisComm) -> int | torch.SymInt:
     key = (comm.group, frozenset(lm.ranks))
     found = _SIM_RANKS.get(key)
     if found is None:
-        from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-        ranks, offsets, _ = _prepare_collective_groups(comm.group)
+        ranks, offsets, _ = prepare_collective_groups(comm.group)
         index = {o + r: i for o in offsets for i, r in enumerate(ranks)}
         found = _SIM_RANKS[key] = torch.SymInt(_simulator().LocalIntNode({r: index[r] for r in lm.ranks}))
     return found  # type: ignore[return-value]

@@ -13,9 +13,11 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as fc
 
+from .._torch.private import functional_collectives
 from .planner import Plan, Step, mesh_sizes
+
+fc = functional_collectives()  # torch.distributed._functional_collectives
 
 __all__ = ["execute_plan"]
 

@@ -43,6 +43,15 @@ from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.implicit_mesh import mesh_of_space
 from .._core.mesh import current_mesh, set_current_mesh
 from .._core.types import I, P, R, S, SpmdType, TypeMap, V
+from .._torch.private import (
+    c10d_functional,
+    default_group,
+    dispatch_get_all_op_names,
+    functional_collectives,
+    op_schema,
+    resolve_process_group,
+    simulator,
+)
 from .call import unwrap
 from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 
@@ -256,7 +265,7 @@ def _group_root(a: dict[str, Any], raw: RawOp) -> int | str:
         return int(a["group_src"])
     if a.get("src") is None:
         return "k"
-    group = a["group"] or dist.distributed_c10d._get_default_group()
+    group = a["group"] or default_group()
     try:
         return dist.get_group_rank(group, a["src"])
     except (ValueError, RuntimeError):  # not a rank of the group: torch says so when it runs
@@ -278,8 +287,8 @@ _AXES_CACHE: dict[tuple, tuple[str, ...] | None] = {}
 def _process_group(raw: RawOp, a: dict[str, Any]) -> Any:
     group = a.get(raw.group)
     if isinstance(group, str):
-        return dist.distributed_c10d._resolve_process_group(group)
-    return group if group is not None else dist.distributed_c10d._get_default_group()
+        return resolve_process_group(group)
+    return group if group is not None else default_group()
 
 
 def _axes_of(group: Any) -> tuple[str, ...] | None:
@@ -300,13 +309,11 @@ def _axes_of(group: Any) -> tuple[str, ...] | None:
 
 
 def _match_ranks(mesh: Any, ranks: frozenset) -> tuple[str, ...] | None:
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
     dm = mesh.device_mesh
     if dm is None:
         found = [n for n, g in mesh.groups.items() if frozenset(dist.get_process_group_ranks(g)) == ranks]
         return (found[0],) if found else None
-    with maybe_disable_local_tensor_mode():
+    with simulator().maybe_disable_local_tensor_mode():
         flat = [int(r) for r in dm.mesh.flatten().tolist()]
         shape = tuple(int(n) for n in dm.mesh.shape)
     coords = list(itertools.product(*[range(n) for n in shape]))  # row-major, as ``flat``
@@ -430,7 +437,7 @@ def _functional(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Pla
             out = func(t, *args[1:], **kwargs)
         else:
             out = func(*args, **{k: (t if v is x else v) for k, v in kwargs.items()})
-        return torch.ops._c10d_functional.wait_tensor(out)
+        return c10d_functional.wait_tensor(out)
 
     if plain.requires_grad and torch.is_grad_enabled():
         # the value keeps its type (a broadcast of R or I, an all-to-all of V blocks with uneven splits):
@@ -457,7 +464,7 @@ def _pass(raw: RawOp, x: Any, types: TypeMap | None) -> Any:
     """``wait_tensor`` keeps the type; ``_wrap_tensor_autograd`` (an async wrapper) is skipped: typed results are waited."""
     if raw.display.endswith("_wrap_tensor_autograd"):
         return x
-    out = torch.ops._c10d_functional.wait_tensor(unwrap(x))
+    out = c10d_functional.wait_tensor(unwrap(x))
     return out if types is None else _wrap(out, types)
 
 
@@ -493,14 +500,14 @@ _BY_FUNC: dict[Any, RawOp] = {}
 def _register() -> None:
     if not dist.is_available():  # pragma: no cover - torch built without distributed
         return
-    import torch.distributed._functional_collectives  # noqa: F401 - defines _wrap_tensor_autograd
+    functional_collectives()  # defines _wrap_tensor_autograd
 
     for name, raw in RAW_OPS.items():
         if name.startswith("op:"):
-            packet = getattr(torch.ops._c10d_functional, name[3:], None)
+            packet = getattr(c10d_functional, name[3:], None)
             if packet is None:
                 continue
-            arg_names = [arg.name for arg in packet.default._schema.arguments]
+            arg_names = [arg.name for arg in op_schema(packet.default).arguments]
             funcs = [(packet, arg_names), (packet.default, arg_names)]
         else:
             fn = getattr(dist, name, None)
@@ -517,7 +524,7 @@ def _register() -> None:
 
 def _register_other_ops() -> None:
     """Every other op of the collective namespaces (c10d's in-place ops, coalesced forms): rejected."""
-    for qualified in torch._C._dispatch_get_all_op_names():
+    for qualified in dispatch_get_all_op_names():
         ns, _, name = qualified.partition("::")
         if ns not in ("_c10d_functional", "c10d") or "." in name:
             continue

@@ -18,6 +18,7 @@ from .._core.mesh import require_mesh
 from .._core.spec import Spec, axes_of, normalize, to_partition_spec
 from .._core.state import STATE
 from .._core.types import AxisType, P, R, SpmdType, TypeMap, V
+from .._torch.private import DisableTorchFunctionSubclass
 from .call import unwrap
 from .planner import Plan
 from .planner import plan_redistribute as _plan
@@ -63,7 +64,7 @@ def redistribute_spec(x: torch.Tensor, src_spec: Sequence[Any], dst_spec: Sequen
     types: TypeMap | None = getattr(x, "_spmd_types", None) if STATE.checking else None
     if types is None:
         return execute_plan(x, plan, device_mesh)
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         ndim = x.dim()
     src = normalize(src_spec, ndim, "src_spec")
     _check_source(x, types, src, src_partial)

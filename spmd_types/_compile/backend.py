@@ -26,12 +26,21 @@ from .._checker.run_ops import _SWAP_BACK, _swap_for_plain_root, _swap_to_base
 from .._checker.tensor import _wrap
 from .._core.errors import SpmdTypeError
 from .._core.state import STATE
+from .._torch.private import (
+    dynamo,
+    dynamo_exc,
+    dynamo_tls,
+    inductor_backend,
+    is_torch_function_enabled,
+    len_torch_dispatch_stack,
+    lookup_backend,
+)
 from .graph_check import Checked, check_graph, dynamo_fake_mode
 
 __all__ = ["CheckingBackend", "Runner", "compile_backend", "install", "CHECKS"]
 
-_tf_enabled = torch._C._is_torch_function_enabled
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+_tf_enabled = is_torch_function_enabled
+_dispatch_modes = len_torch_dispatch_stack
 # (graph name, seconds) of every check run in this process, for benchmarks and the docs' figures
 CHECKS: list[tuple[str, float]] = []
 
@@ -152,9 +161,7 @@ _ERROR_CLASS: list = []
 def compile_time_error(err: SpmdTypeError) -> SpmdTypeError:
     """``err`` as dynamo lets it through from a backend: an SpmdTypeError, with dynamo's frames cut."""
     if not _ERROR_CLASS:
-        from torch._dynamo.exc import ShortenTraceback
-
-        class SpmdCompileError(SpmdTypeError, ShortenTraceback):
+        class SpmdCompileError(SpmdTypeError, dynamo_exc().ShortenTraceback):
             """An SpmdTypeError found while checking a compiled graph (dynamo re-raises it as it is).
 
             ``traced_stack``: the user's frames of the op, outermost first (``path:line: code``).
@@ -200,9 +207,7 @@ def install() -> None:
     try:
         _keep_functions_whole()
         run_eagerly_under_compile()  # a registered autograd Function runs (checked) eagerly, between graphs
-        from torch._dynamo.symbolic_convert import tls
-
-        tx = getattr(tls, "current_tx", None)  # the frame dynamo is converting
+        tx = getattr(dynamo_tls(), "current_tx", None)  # the frame dynamo is converting
         output = getattr(tx, "output", None)
         inner = getattr(output, "compiler_fn", None)
         if inner is None or _is_checking(inner):
@@ -222,10 +227,8 @@ def _keep_functions_whole() -> None:
     if _KEPT:
         return
     import torch.nn.functional as F
-    from torch._dynamo import allow_in_graph
-
     for name in _WHOLE:
-        allow_in_graph(getattr(F, name))
+        dynamo().allow_in_graph(getattr(F, name))
     _KEPT.append(True)
 
 
@@ -251,12 +254,9 @@ def compile_backend(backend: str | Callable[..., Any] = "inductor", **options: A
     """
     if isinstance(backend, str):
         if backend == "inductor":
-            from torch._dynamo.backends.inductor import inductor
-
+            inductor = inductor_backend()
             inner: Callable[..., Any] = functools.partial(inductor, options=options) if options else inductor
         else:
-            from torch._dynamo.backends.registry import lookup_backend
-
             if options:
                 raise TypeError(f"spmd.compile_backend({backend!r}) takes no options (they are inductor's)")
             inner = lookup_backend(backend)

@@ -19,14 +19,22 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils import _pytree as pytree
 
 from .._checker.run_ops import _TYPED_CLASSES
 from .._checker.tensor import _DisableTF, _wrap
 from .._core.errors import SpmdTypeError, checking_at
 from .._core.traced import CHECKED, REBINDS, decode_call, region_depth, unwind_regions
+from .._torch.private import (
+    EnableTorchFunction,
+    FakeTensorMode,
+    TracingContext,
+    TreeSpec,
+    compiling_flag,
+    set_compiling_flag,
+    tree_flatten,
+    tree_unflatten,
+)
 from .sites import eager_method, user_site, user_stack
 
 __all__ = ["Checked", "check_graph", "typed_twin", "types_of"]
@@ -87,7 +95,7 @@ def check_graph(gm: torch.fx.GraphModule, example_inputs: list, mode: Any = None
         # dynamo calls a compiled graph with subclass dispatch off: the checker needs it on; a symbol the checker
         # reads from data is its own (dynamo's shape env must not wait for it in the compiled graph)
         fresh = mode.shape_env.ignore_fresh_unbacked_symbols() if mode.shape_env is not None else nullcontext()
-        with _not_compiling(), torch._C._EnableTorchFunction(), fresh:
+        with _not_compiling(), EnableTorchFunction(), fresh:
             outputs = TypedInterpreter(gm, mode).run(*twins)
     finally:
         mode.allow_non_fake_inputs = saved
@@ -105,7 +113,7 @@ _ALIAS = torch.ops.aten.alias.default
 
 def dynamo_fake_mode() -> Any:
     """The fake mode of the graph dynamo is compiling now, or None."""
-    context = torch._guards.TracingContext.try_get()
+    context = TracingContext.try_get()
     return None if context is None else context.fake_mode
 
 
@@ -124,11 +132,11 @@ class _not_compiling:
     """Checking runs eager code paths: torch.compiler.is_compiling() is False while it does."""
 
     def __enter__(self) -> None:
-        self.saved = torch.compiler._is_compiling_flag
-        torch.compiler._is_compiling_flag = False
+        self.saved = compiling_flag()
+        set_compiling_flag(False)
 
     def __exit__(self, *exc: Any) -> None:
-        torch.compiler._is_compiling_flag = self.saved
+        set_compiling_flag(self.saved)
 
 
 class TypedInterpreter(torch.fx.Interpreter):
@@ -162,13 +170,13 @@ class TypedInterpreter(torch.fx.Interpreter):
         return typed_twin(super().get_attr(target, args, kwargs), self.mode)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if len(args) >= 2 and isinstance(args[1], pytree.TreeSpec):  # a nonstrict-traced call
-            found = decode_call(pytree.tree_unflatten(list(args[2:]), args[1])[0])
+        if len(args) >= 2 and isinstance(args[1], TreeSpec):  # a nonstrict-traced call
+            found = decode_call(tree_unflatten(list(args[2:]), args[1])[0])
             if found is not None:
                 name, call_args, call_kwargs = found
                 result = CHECKED[name](*call_args, **call_kwargs)
                 if name not in REBINDS:
-                    return pytree.tree_flatten(result)[0]
+                    return tree_flatten(result)[0]
                 self._rebind(args[2:], call_args[0], result)
                 return [0]
         if target is _ALIAS and len(args) == 1 and type(args[0]) in _TYPED_CLASSES:
@@ -177,8 +185,8 @@ class TypedInterpreter(torch.fx.Interpreter):
 
     def _rebind(self, flat_args: tuple, old: Any, new: Any) -> None:
         """Later nodes see ``new`` (a region's typed outputs) where this node was given ``old``."""
-        new_leaves = pytree.tree_flatten(new)[0]
-        swap = {id(o): n for o, n in zip(pytree.tree_flatten(old)[0], new_leaves) if isinstance(o, torch.Tensor)}
+        new_leaves = tree_flatten(new)[0]
+        swap = {id(o): n for o, n in zip(tree_flatten(old)[0], new_leaves) if isinstance(o, torch.Tensor)}
         for arg_node, value in zip(self.node.args[2:], flat_args):
             if isinstance(arg_node, torch.fx.Node) and id(value) in swap:
                 self.env[arg_node] = swap[id(value)]

@@ -11,9 +11,9 @@ module is loaded, so the check reads ``sys.modules``.
 
 from __future__ import annotations
 
-import sys
-
 import torch
+
+from .._torch.private import c10d_functional, loaded_functional_collectives
 
 __all__ = ["settled"]
 
@@ -29,7 +29,7 @@ def settled(t: torch.Tensor) -> torch.Tensor:
     """
     if type(t) is _PLAIN:
         return t
-    mod = sys.modules.get("torch.distributed._functional_collectives")
+    mod = loaded_functional_collectives()
     if mod is None or not isinstance(t, mod.AsyncCollectiveTensor):
         return t
-    return torch.ops._c10d_functional.wait_tensor(t)
+    return c10d_functional.wait_tensor(t)

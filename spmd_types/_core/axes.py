@@ -22,6 +22,8 @@ import itertools
 import weakref
 from typing import Any, Iterable, Sequence
 
+from .._torch.private import flat_layout_class
+
 __all__ = ["MeshAxis", "flatten", "region_of_group", "orthogonal"]
 
 Atoms = tuple[tuple[int, int], ...]
@@ -181,9 +183,7 @@ class MeshAxis:
 
 def _layout_class() -> Any:
     if not _LAYOUT_CLASS:
-        from torch.distributed._mesh_layout import _FlatLayout
-
-        class AxisLayout(_FlatLayout):
+        class AxisLayout(flat_layout_class()):  # type: ignore[misc]
             """torch's layout of a region; ``layout()`` is its short text (``'4:1'``)."""
 
             text = ""

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Mapping, Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._torch.private import resolve_process_group
 from . import axes as _axes
 from . import types as _types
 from .axes import MeshAxis, flatten, name_region, orthogonal, region_of_group
@@ -503,7 +504,7 @@ def group_named(name: str) -> dist.ProcessGroup | None:
     if not dist.is_available() or not dist.is_initialized() or not name:
         return None
     try:
-        return dist.distributed_c10d._resolve_process_group(name)
+        return resolve_process_group(name)
     except Exception:  # no group by that name
         return None
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._torch.private import dynamo
 from .state import STATE
 from .traced_args import decode, encode
 
@@ -120,9 +121,7 @@ def _make_node() -> None:
     """
     typed_tensor_traced()
     if not _NODE:
-        from torch._dynamo import nonstrict_trace
-
-        _NODE.append(nonstrict_trace(_run_node))
+        _NODE.append(dynamo().nonstrict_trace(_run_node))
 
 
 _make_node._dynamo_marked_constant = True  # type: ignore[attr-defined]

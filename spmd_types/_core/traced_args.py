@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._torch.private import resolve_process_group
 from .axes import MeshAxis
 from .types import PartitionSpec, Shard, SpmdType, _by_short_name
 
@@ -141,13 +142,9 @@ def decode(value: Any) -> Any:
             entries = [decode(e) for e in value[1]]
             return None if any(e is _NO_SPEC for e in entries) else PartitionSpec(*entries)
         if tag == GROUP_TAG:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return _resolve_process_group(value[1])
+            return resolve_process_group(value[1])
         if tag == MESH_TAG:
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            return {n: _resolve_process_group(g) for n, g in value[1]}
+            return {n: resolve_process_group(g) for n, g in value[1]}
         if tag == AXIS_TAG:
             ranks = decode(value[2])
             return MeshAxis(value[1], None if ranks is None else frozenset(ranks))

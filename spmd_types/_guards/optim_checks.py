@@ -27,10 +27,11 @@ import torch
 from .._core.errors import Rejection
 from .._core.spec import short_dtype
 from .._core.types import P, TypeMap
+from .._torch.private import DisableTorchFunctionSubclass
 
 __all__ = ["mark_grad", "name_parameters", "unsynced_grad", "unsynced_grad_rejection"]
 
-_DisableTF = torch._C.DisableTorchFunctionSubclass
+_DisableTF = DisableTorchFunctionSubclass
 
 
 def mark_grad(grad: torch.Tensor, param: torch.Tensor) -> None:

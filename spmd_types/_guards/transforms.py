@@ -29,6 +29,7 @@ import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source_line
 from .._core.traced import TRACE_HOOKS, compiling, dynamo_tracing, typed_tensor_traced
+from .._torch.private import is_functorch_wrapped_tensor
 
 __all__ = [
     "vmap_setup_caller", "is_transform_tensor", "transform_error", "compiling", "dynamo_tracing",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_wrapped = is_functorch_wrapped_tensor
 _SETUP = "_process_batched_inputs"
 
 

@@ -20,6 +20,7 @@ from .._core.mesh import current_mesh
 from .._core.spaces import move_types
 from .._core.state import BY_GRADIENT, BY_MESH, mark_uncacheable
 from .._core.types import I, P, R, SpmdType, TypeMap, V
+from .._torch.private import is_fwd_grad_enabled
 from .op_registry import OpEntry
 from .rules_table import RuleKind
 
@@ -78,7 +79,7 @@ def backward_possible() -> bool:
     A registered ``transparent=True`` Function (activation checkpointing) runs
     its forward with grad mode off, yet its backward differentiates that code.
     """
-    return torch.is_grad_enabled() or not torch._C._is_fwd_grad_enabled()
+    return torch.is_grad_enabled() or not is_fwd_grad_enabled()
 
 
 def _is_zero(value: Any) -> bool:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.types import I, P, R, SpmdType, V, backward_type
+from .._torch.private import TorchDispatchMode, local_tensors_of, simulator
 from ._simulate import _coords, _outside_simulation, per_rank, rank_values, simulate
 from .equivalence import DivergenceError, EquivalenceReport, NondeterministicStepError, check_equivalence
 
@@ -228,7 +228,7 @@ def verify_registration(
             mesh=mesh, in_types=[{"tp": spmd.P}],
         )
     """
-    from torch.distributed._local_tensor import LocalTensorMode
+    LocalTensorMode = simulator().LocalTensorMode
 
     from .._boundaries.autograd_functions import registration_of
 
@@ -350,7 +350,7 @@ def _compare_with_op(cls, reg, example_args, kwargs, slots, values, full_types, 
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    maybe_disable_local_tensor_mode = simulator().maybe_disable_local_tensor_mode
 
     got, want = _one_copy(got), _one_copy(want)
     with maybe_disable_local_tensor_mode():
@@ -362,7 +362,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what
 
 def _one_copy(t: torch.Tensor) -> torch.Tensor:
     """A denotation computed under the simulation is the same on every rank: take one copy."""
-    if hasattr(t, "_local_tensors"):
+    if local_tensors_of(t) is not None:
         values = rank_values(t)
         return values[min(values)]
     return t

@@ -19,6 +19,7 @@ import torch
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import I, P, R, SpmdType, V
+from .._torch.private import DisableTorchFunctionSubclass, dtensor_local, local_tensors_of
 from ._eq_record import Snapshot, _dtensor_types, types_on
 from ._simulate import _coords, _outside_simulation, per_rank
 
@@ -111,8 +112,8 @@ def _param_types(p: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
 
 
 def _store(p: torch.Tensor, name: str, parallel: bool) -> dict[int, torch.Tensor]:
-    base = p._local_tensor if is_dtensor(p) else p
-    store = getattr(base, "_local_tensors", None)
+    base = dtensor_local(p) if is_dtensor(p) else p
+    store = local_tensors_of(base)
     if store is not None:
         return store
     if parallel:
@@ -120,7 +121,7 @@ def _store(p: torch.Tensor, name: str, parallel: bool) -> dict[int, torch.Tensor
             f"check_equivalence: parameter '{name}' is one plain tensor, not one per simulated rank: build() must "
             "create every parameter (a module made outside build(), or cached between calls, is not simulated)"
         )
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         return {0: base.data}
 
 
@@ -206,7 +207,7 @@ def load_parameters(params: Mapping[str, torch.Tensor], initial: Mapping[str, to
                     f"reference's {list(full.shape)}, but the parallel parameter is {list(local.shape)}: build() must "
                     f"make the same model on both meshes{fix}"
                 )
-            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
+            with torch.no_grad(), DisableTorchFunctionSubclass(), _outside_simulation():
                 local.copy_(piece.to(local.dtype))
 
 

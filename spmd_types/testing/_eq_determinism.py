@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.types import I, P, R
+from .._torch.private import TorchDispatchMode, simulator
 from ._eq_align import MeshInfo, assemble, match
 from ._eq_record import Snapshot, format_source
 from ._eq_report import NondeterministicStepError
@@ -96,7 +96,7 @@ class DrawMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if _SEEDED not in func.tags:
             return func(*args, **kwargs)
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
+        enabled_local_tensor_mode = simulator().enabled_local_tensor_mode
 
         lm = enabled_local_tensor_mode()
         if lm is None:  # a draw made outside the simulation: one plain value

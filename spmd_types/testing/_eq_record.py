@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from .._core.dtensor_hook import is_dtensor
 from .._core.errors import _PKG_DIR
 from .._core.types import SpmdType
+from .._torch.private import DisableTorchFunctionSubclass, dtensor_local, dtensor_local_or_none, local_tensors_of, tree_leaves
 from ._simulate import rank_values
 
 __all__ = ["Snapshot", "Recorder", "snapshot", "types_on", "format_source", "module_names"]
@@ -55,9 +56,9 @@ class Snapshot:
 def _plain_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     if type(t).__name__ == "AsyncCollectiveTensor":  # a functional collective's pending result (DTensor's)
         t = t.elem  # type: ignore[attr-defined]
-    if hasattr(t, "_local_tensors"):
+    if local_tensors_of(t) is not None:
         return {r: v.to(torch.float64, copy=True) for r, v in rank_values(t).items()}
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         return {0: t.detach().to(torch.float64, copy=True)}
 
 
@@ -96,7 +97,7 @@ def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | N
     snap = Snapshot(key, kind, module=module, source=source)
     if is_dtensor(t):
         snap.types, snap.why_not = _dtensor_types(t, tuple(mesh.mesh_dim_names))
-        snap.values = _plain_values(t._local_tensor)
+        snap.values = _plain_values(dtensor_local(t))
         return snap
     types = types_on(t, mesh)
     snap.values = _plain_values(t)
@@ -113,8 +114,6 @@ def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | N
 
 
 def _tensor_leaves(out: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
     return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
 
 
@@ -196,7 +195,7 @@ class Recorder:
 
     def source_of(self, t: Any) -> Where | None:
         """Where ``t`` was last produced or written in place (a DTensor: its local tensor), if seen."""
-        for x in (t, getattr(t, "_local_tensor", None)):
+        for x in (t, dtensor_local_or_none(t)):
             found = self._where.get(id(x)) if x is not None else None
             if found is not None and found[0]() is x:
                 return found[1]

@@ -13,24 +13,35 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 
+from .._torch.private import (
+    DisableTorchFunctionSubclass,
+    SymNode,
+    fake_store,
+    int_on_rank,
+    local_dist_class,
+    local_tensors_of,
+    prepare_collective_groups,
+    simulator,
+)
+
 __all__ = ["simulate", "per_rank", "rank_values", "ranks_read_per_rank"]
 
 
 def per_rank(fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
     """A tensor whose value on rank ``r`` is ``fn(r)`` (a LocalTensor under LocalTensorMode)."""
-    from torch.distributed._local_tensor import rank_map
+    rank_map = simulator().rank_map
 
     return rank_map(fn)
 
 
 def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     """``{global rank: plain tensor}`` of a LocalTensor (typed or not)."""
-    with torch._C.DisableTorchFunctionSubclass(), _outside_simulation():
-        return {r: v.detach() for r, v in t._local_tensors.items()}  # type: ignore[attr-defined]
+    with DisableTorchFunctionSubclass(), _outside_simulation():
+        return {r: v.detach() for r, v in local_tensors_of(t).items()}  # type: ignore[union-attr]
 
 
 def _outside_simulation():
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    maybe_disable_local_tensor_mode = simulator().maybe_disable_local_tensor_mode
 
     return maybe_disable_local_tensor_mode()
 
@@ -108,7 +119,7 @@ def simulate(
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
         with contextlib.ExitStack() as stack:
             if ranks == "local":
-                from torch.distributed._local_tensor import LocalTensorMode
+                LocalTensorMode = simulator().LocalTensorMode
 
                 stack.enter_context(LocalTensorMode(world))
                 stack.enter_context(ranks_read_per_rank())
@@ -124,7 +135,6 @@ def simulate(
 def _fake_world(size: int, rank: int = 0) -> bool:
     """Make the default process group a fake one of ``size`` ranks, this process ``rank``; True if this call created it."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         backend = dist.get_backend()
@@ -136,7 +146,7 @@ def _fake_world(size: int, rank: int = 0) -> bool:
                 "simulate before init_process_group or after destroy_process_group"
             )
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=size, store=fake_store()())
     return True
 
 
@@ -146,16 +156,14 @@ def _fake_world(size: int, rank: int = 0) -> bool:
 
 def _group_index(group: Any, ranks: frozenset[int]) -> Any:
     """Each simulated rank's index in its copy of ``group`` (torch's simulator lays groups out by offset)."""
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-    members, offsets, _ = _prepare_collective_groups(group)
+    members, offsets, _ = prepare_collective_groups(group)
     index = {o + r: i for o in offsets for i, r in enumerate(members)}
     return _per_rank_int({r: index[r] for r in ranks})
 
 
 def _per_rank_int(values: dict[int, int]) -> Any:
     """A plain int where every rank holds the same one, else a per-rank ``SymInt``."""
-    from torch.distributed._local_tensor import LocalIntNode
+    LocalIntNode = simulator().LocalIntNode
 
     if len(set(values.values())) == 1:
         return next(iter(values.values()))
@@ -183,7 +191,7 @@ def ranks_read_per_rank() -> Iterator[None]:
 
 
 def _index_in(group: Any, cache: dict[tuple[int, frozenset], Any]) -> Any:
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
+    enabled_local_tensor_mode = simulator().enabled_local_tensor_mode
 
     ranks = frozenset(enabled_local_tensor_mode().ranks)
     key = (id(group), ranks)
@@ -196,7 +204,7 @@ def _index_in(group: Any, cache: dict[tuple[int, frozenset], Any]) -> Any:
 def _group_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
     """``ProcessGroup.rank`` of a sub-group: each simulated rank's index in it."""
     import torch.distributed as dist
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
+    enabled_local_tensor_mode = simulator().enabled_local_tensor_mode
 
     saved = vars(dist.ProcessGroup)["rank"]  # the class attribute itself (a pybind method), restored as it was
     original = dist.ProcessGroup.rank
@@ -217,12 +225,12 @@ def _group_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
 def _dist_get_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
     """``dist.get_rank(group)`` per simulated rank (torch 2.13), or torch 2.14's answer as an int where it is one."""
     import torch.distributed as dist
-    import torch.distributed._local_tensor as local
-
-    if hasattr(local, "_LocalDist"):  # torch 2.14: LocalTensorMode patches dist.get_rank with this class's
+    local = simulator()
+    local_dist = local_dist_class()
+    if local_dist is not None:  # torch 2.14: LocalTensorMode patches dist.get_rank with this class's
         from torch.distributed.distributed_c10d import get_rank as process_rank
 
-        torchs = vars(local._LocalDist)["get_rank"]
+        torchs = vars(local_dist)["get_rank"]
 
         def one_int(group: Any = None) -> Any:
             if group is None:  # as on 2.13: code that makes groups by membership asks so (Megatron)
@@ -231,11 +239,11 @@ def _dist_get_rank(cache: dict[tuple[int, frozenset], Any]) -> Iterator[None]:
             return found.node.val if isinstance(getattr(found, "node", None), local.ConstantIntNode) else found
 
         current = dist.get_rank  # torch's, put there when LocalTensorMode was entered (and on every re-entry)
-        local._LocalDist.get_rank, dist.get_rank = staticmethod(one_int), one_int
+        local_dist.get_rank, dist.get_rank = staticmethod(one_int), one_int
         try:
             yield
         finally:
-            local._LocalDist.get_rank, dist.get_rank = torchs, current
+            local_dist.get_rank, dist.get_rank = torchs, current
         return
     original = dist.get_rank
 
@@ -275,14 +283,15 @@ def _per_rank_extreme(pick: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return pick(*args, **kwargs)
         except AssertionError:  # a LocalIntNode comparison that differs per rank
-            from torch.distributed._local_tensor import LocalIntNode, _int_on_rank, enabled_local_tensor_mode
+            sim = simulator()
+            LocalIntNode, enabled_local_tensor_mode = sim.LocalIntNode, sim.enabled_local_tensor_mode  # noqa: N806
 
             lm = enabled_local_tensor_mode()
             items = list(args[0]) if len(args) == 1 else list(args)
             nodes = [x.node if isinstance(x, torch.SymInt) else x for x in items]
             if lm is None or kwargs or not any(isinstance(n, LocalIntNode) for n in nodes):
                 raise
-            return _per_rank_int({r: pick(_int_on_rank(n, r) for n in nodes) for r in lm.ranks})
+            return _per_rank_int({r: pick(int_on_rank(n, r) for n in nodes) for r in lm.ranks})
 
     return extreme
 
@@ -298,13 +307,13 @@ def _per_rank_ints_have_hints() -> Iterator[None]:
     statically known true. Neither torch 2.13's nor 2.14's simulator answers; both are added for the
     simulation and taken away after it.
     """
-    from torch.distributed._local_tensor import LocalIntNode
+    LocalIntNode = simulator().LocalIntNode
 
     added = []
     if not hasattr(LocalIntNode, "has_hint"):
         LocalIntNode.has_hint = lambda self: True  # type: ignore[attr-defined]
         added.append((LocalIntNode, "has_hint"))
-    node = torch._C._SymNode
+    node = SymNode
     if not hasattr(node, "statically_known_true"):
         node.statically_known_true = lambda self, file, line: self.guard_or_false(file, line)  # type: ignore[attr-defined]
         added.append((node, "statically_known_true"))

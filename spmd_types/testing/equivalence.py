@@ -19,6 +19,7 @@ import torch
 
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import Shard, SpmdType
+from .._torch.private import DisableTorchFunctionSubclass, dtensor_local, local_tensors_of
 from ._eq_align import MeshInfo, Sources, load_parameters, local_batch
 from ._eq_compare import Asked, Run, compare
 from ._eq_determinism import DrawMode, DrawTape, check_repeats, gross_gaps
@@ -254,10 +255,10 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
 
 def _whole(p: torch.Tensor) -> torch.Tensor:
     """Rank 0's value (on the one-device mesh: the whole parameter), a plain detached copy."""
-    base = p._local_tensor if is_dtensor(p) else p
-    if hasattr(base, "_local_tensors"):
+    base = dtensor_local(p) if is_dtensor(p) else p
+    if local_tensors_of(base) is not None:
         return rank_values(base)[0].clone()
-    with torch._C.DisableTorchFunctionSubclass():
+    with DisableTorchFunctionSubclass():
         return base.detach().clone()
 
 

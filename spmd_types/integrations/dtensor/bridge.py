@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..._checker.tensor import _run, make_typed
 from ..._comm.impl import AxisComm, keep_on_first
@@ -30,8 +29,11 @@ from ..._core.state import STATE
 from ..._core.types import SpmdType, TypeMap, V, compatible, shard_in_range
 from ..._guards.function_guard import ALLOWED
 from ..._local.transitions import route_call
+from ..._torch.private import dtensor_local, dtensor_spec, dtensor_spec_class
 from .placements import Reduced, placement_to_cotangent, placement_to_type, strip_reduced, type_to_placement
 from .propagation import ReducedDTensor, plain_dtensor
+
+DTensorSpec = dtensor_spec_class()  # torch.distributed.tensor._dtensor_spec.DTensorSpec
 
 __all__ = ["from_dtensor", "to_dtensor", "dtensor_types", "typed_op", "assert_dtensor", "mesh_names"]
 
@@ -71,8 +73,8 @@ def _plain_local(x: torch.Tensor) -> torch.Tensor:
 class _FromDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dt: DTensor) -> torch.Tensor:
-        ctx.spec = dt._spec
-        local = settled(dt._local_tensor)  # an async redistribute's result (RowwiseParallel's output), waited on
+        ctx.spec = dtensor_spec(dt)
+        local = settled(dtensor_local(dt))  # an async redistribute's result (RowwiseParallel's output), waited on
         return local.view_as(local)
 
     @staticmethod
@@ -88,7 +90,7 @@ class _ToDTensor(torch.autograd.Function):
         ctx.placements = placements
         base = DTensor.from_local(x.view_as(x), mesh, strip_reduced(placements), run_check=False, shape=shape,
                                   stride=stride)
-        return _make(base._local_tensor, DTensorSpec(mesh, placements, tensor_meta=base._spec.tensor_meta))
+        return _make(dtensor_local(base), DTensorSpec(mesh, placements, tensor_meta=dtensor_spec(base).tensor_meta))
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> tuple[torch.Tensor, None, None, None, None]:
@@ -114,13 +116,13 @@ def _redistribute(g: DTensor, want: tuple) -> torch.Tensor:
     """
     g = plain_dtensor(g)
     target = strip_reduced(want)
-    have = g._spec.placements
+    have = dtensor_spec(g).placements
     if have == target:
-        return g._local_tensor
+        return dtensor_local(g)
     to_partial = [i for i, (h, w) in enumerate(zip(have, target)) if type(w) is Partial and type(h) is not Partial]
     mid = tuple(Replicate() if i in to_partial else w for i, w in enumerate(target))
     with torch.no_grad():
-        local = g.redistribute(g.device_mesh, mid)._local_tensor if mid != have else g._local_tensor
+        local = dtensor_local(g.redistribute(g.device_mesh, mid) if mid != have else g)
         for i in to_partial:
             group = g.device_mesh.get_group(i)
             comm = AxisComm((mesh_names(g.device_mesh, "a gradient")[i],), group, group.group_name, group.size())

@@ -18,10 +18,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
 from ..._core.types import I, P, R, S, SpmdType, V, check_type_value
+from ..._torch.private import dtensor_spec_class
+
+DTensorSpec = dtensor_spec_class()  # torch.distributed.tensor._dtensor_spec.DTensorSpec
 
 __all__ = [
     "Reduced", "placement_to_type", "type_to_placement", "placement_to_cotangent", "spec_to_cotangent",

@@ -29,10 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.utils import _pytree as pytree
 
+from ..._torch.private import dtensor_local, dtensor_spec, dtensor_spec_class, set_dtensor_spec, tree_map
 from .placements import Reduced, strip_reduced
+
+DTensorSpec = dtensor_spec_class()  # torch.distributed.tensor._dtensor_spec.DTensorSpec
 
 __all__ = ["ReducedDTensor", "as_reduced_class", "plain_dtensor", "reduced_dims"]
 
@@ -43,20 +44,21 @@ def _replace_spec(spec: DTensorSpec, placements: tuple) -> DTensorSpec:
 
 def plain_dtensor(t: DTensor) -> DTensor:
     """A base-class DTensor alias of ``t`` with ``Reduced`` read as ``Replicate`` (no autograd link)."""
-    placements = strip_reduced(t._spec.placements)
-    if type(t) is DTensor and placements == t._spec.placements:
+    spec = dtensor_spec(t)
+    placements = strip_reduced(spec.placements)
+    if type(t) is DTensor and placements == spec.placements:
         return t
-    return DTensor(t._local_tensor.detach(), _replace_spec(t._spec, placements), requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(dtensor_local(t).detach(), _replace_spec(spec, placements), requires_grad=False)  # type: ignore[call-arg]
 
 
 def reduced_dims(t: Any) -> frozenset[int]:
     """The mesh dims on which DTensor ``t`` is ``Reduced``."""
-    return frozenset(i for i, p in enumerate(t._spec.placements) if isinstance(p, Reduced))
+    return frozenset(i for i, p in enumerate(dtensor_spec(t).placements) if isinstance(p, Reduced))
 
 
 def as_reduced_class(t: DTensor, dims: frozenset[int]) -> DTensor:
     """Give fresh DTensor ``t`` ``Reduced()`` on ``dims`` where it is ``Replicate()`` (in place; returns ``t``)."""
-    placements = list(t._spec.placements)
+    placements = list(dtensor_spec(t).placements)
     changed = False
     for d in dims:
         p = placements[d]
@@ -64,7 +66,7 @@ def as_reduced_class(t: DTensor, dims: frozenset[int]) -> DTensor:
             placements[d] = Reduced()
             changed = True
     if changed:
-        t._spec = _replace_spec(t._spec, tuple(placements))
+        set_dtensor_spec(t, _replace_spec(dtensor_spec(t), tuple(placements)))
         if type(t) is DTensor:
             t.__class__ = ReducedDTensor
     return t
@@ -98,7 +100,7 @@ class ReducedDTensor(DTensor):
             originals[id(plain)] = t
             return plain
 
-        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         keep = frozenset.intersection(*dims) if dims else frozenset()
 
         def rewrap(o: Any) -> Any:
@@ -108,4 +110,4 @@ class ReducedDTensor(DTensor):
                 return originals[id(o)]
             return as_reduced_class(o, keep) if keep else o
 
-        return pytree.tree_map(rewrap, out)
+        return tree_map(rewrap, out)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.tensor._api import _FromTorchTensor
-
 from ..._boundaries.autograd_functions import register_autograd_function
 from ..._core.types import TypeMap
+from ..._torch.private import from_torch_tensor_function
 from .bridge import _check_types, mesh_names
 from .placements import placement_to_type
+
+_FromTorchTensor = from_torch_tensor_function()  # DTensor.from_local's autograd Function
 
 __all__ = ["from_local_rule"]
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..._boundaries import autograd_functions as _af
 from ..._core.mesh import current_mesh, set_current_mesh
 from ..._core.types import I, R, S, SpmdType
+from ..._torch.private import module_parameters
 from .rules import (  # noqa: F401  (re-exported: the rules are read by tests and docs through the adapter)
     _all_to_all_rule,
     _cross_entropy_rule,
@@ -338,7 +339,7 @@ def _modules_and_parameters(model: torch.nn.Module) -> tuple[list, list]:
         return modules, list(model.named_parameters())  # a model with its own idea of its parameters
     params, seen = [], set()
     for prefix, module in modules:
-        for name, p in module._parameters.items():
+        for name, p in module_parameters(module).items():
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))

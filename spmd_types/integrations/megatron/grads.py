@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._checker.tensor import make_typed
 from ..._core.axes import MeshAxis, flatten, orthogonal, region_of_group
 from ..._core.errors import Rejection, SpmdTypeError, user_source_line
 from ..._core.types import P, R, TypeMap
 from ..._guards.optim_checks import mark_grad
+from ..._torch.private import TorchDispatchMode
 
 __all__ = ["GradSyncTracker"]
 
