@@ -15,7 +15,8 @@ would, changing nothing but the imports of that package's private modules:
 The tests are copied into a temporary folder and rewritten there; nothing of the
 peer's is kept in this repository. Each remaining failure must be classified in
 ``benchmarks/conformance_status.txt`` (a deliberate difference with its numbered
-choice in docs/choices.md, or a test of a private internal); tests listed there
+choice in docs/choices.md, a test of a private internal, or a test that needs a file of
+the peer's repository other than its tests, which are all the script copies); tests listed there
 as ``fixed`` failed before issue 21 and must pass. The script prints the counts
 and exits non-zero on an unclassified failure or a stale row.
 
@@ -70,7 +71,7 @@ HELPER_NAMES = {
     ("spmd_types._mesh_axis", "_reset"): "reset_axis_names",
     ("spmd_types._mesh_axis", "_register_name"): "register_axis_name",
 }
-CLASSES = ("fixed", "choice", "private")
+CLASSES = ("fixed", "choice", "private", "environment")
 
 
 def _is_private(module: str | None) -> bool:
@@ -172,18 +173,19 @@ def load_status(path: Path = STATUS_FILE) -> dict[str, tuple[str, str]]:
 
 
 def classify(results: dict[str, tuple[str, str]], status: dict[str, tuple[str, str]]) -> dict[str, list[str]]:
-    """Tests by verdict: pass, fixed, choice, private, skipped, unclassified, stale (listed, yet not as listed)."""
-    out: dict[str, list[str]] = {k: [] for k in ("pass", "fixed", "choice", "private", "skipped", "unclassified",
-                                                 "stale")}
+    """Tests by verdict: pass, fixed, choice, private, environment, skipped, unclassified, stale (listed, yet not
+    as listed)."""
+    out: dict[str, list[str]] = {k: [] for k in ("pass", "fixed", "choice", "private", "environment", "skipped",
+                                                 "unclassified", "stale")}
     for test, (outcome, text) in sorted(results.items()):
         listed = status.get(test, ("", ""))[0].split(" ")[0]
         if outcome == "skipped":
             out["skipped"].append(test)
         elif outcome == "passed":
             out["fixed" if listed == "fixed" else "pass"].append(test)
-            if listed in ("choice", "private"):
+            if listed in ("choice", "private", "environment"):
                 out["stale"].append(test)
-        elif listed in ("choice", "private"):
+        elif listed in ("choice", "private", "environment"):
             out[listed].append(test)
         elif "PeerPrivateInternal" in text:
             out["private"].append(test)
@@ -201,6 +203,7 @@ def summary(verdicts: dict[str, list[str]], results: dict[str, tuple[str, str]])
              f"{len(verdicts['fixed'])})",
              f"  deliberate difference (numbered choice): {len(verdicts['choice'])}",
              f"  tests a private internal of the peer: {len(verdicts['private'])}",
+             f"  needs what the runner does not copy (environment): {len(verdicts['environment'])}",
              f"  skipped by the peer's own conditions: {len(verdicts['skipped'])}",
              f"  unclassified failures: {len(verdicts['unclassified'])}"]
     for test in verdicts["unclassified"]:

@@ -197,6 +197,27 @@ def test_a_mesh_is_independent_axes_each_named_once(cube):
     assert str(info.value) == "set_current_mesh: the mesh has no axes"
 
 
+def test_the_order_of_axes_sharding_one_dim_is_part_of_the_spec(cube):
+    """("tp", "dp") splits the dim by tp first, ("dp", "tp") by dp first: different layouts, never equal (they
+    used to compare equal, so a spec remembered for one assertion came back for the other)."""
+    dp, tp = MeshAxis.of(cube.get_group("dp")), MeshAxis.of(cube.get_group("tp"))
+    assert spmd.PartitionSpec(("tp", "dp"), None) != spmd.PartitionSpec(("dp", "tp"), None)
+    assert spmd.PartitionSpec((tp, dp), None) != spmd.PartitionSpec(("dp", "tp"), None)
+    assert spmd.PartitionSpec((tp, dp), None) == spmd.PartitionSpec(("tp", cube.get_group("dp")), None)
+    with spmd.typecheck(local=False):
+        for order in (("tp", "dp"), ("dp", "tp"), ("tp", "dp")):
+            x = spmd.assert_type(torch.zeros(8, 3), {}, partition_spec=spmd.PartitionSpec(order, None))
+            assert [repr(a) for a in spmd.get_partition_spec(x)[0]] == list(order)
+
+
+def test_normalize_axis_of_a_name_with_no_mesh_says_so():
+    """A name means an axis only on a current mesh; with none, the error says so (it used to be an
+    AttributeError from inside the lookup)."""
+    assert spmd.current_mesh() is None
+    with pytest.raises(RuntimeError, match="no mesh is current"):
+        spmd.normalize_axis("tp")
+
+
 def test_naming_an_axis_the_mesh_lacks(cube):
     with pytest.raises(ValueError) as info:
         spmd.assert_type(torch.randn(2), {"xp": R})

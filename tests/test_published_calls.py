@@ -212,6 +212,16 @@ def test_error_classes(ranks):
     assert issubclass(spmd.DTensorPropagationError, spmd.SpmdTypeError)
 
 
+def test_context_given_after_the_error_is_made_is_shown():
+    """The published API lets a caller set ``err.context`` on a raised error; the message then shows it."""
+    err = spmd.SpmdTypeError("a rule was broken")
+    assert str(err) == "a rule was broken"
+    err.context = "  In step()"
+    assert str(err) == "a rule was broken\n\n  In step()"
+    given = spmd.SpmdTypeError("a rule was broken", context="  In step()")
+    assert str(given) == "a rule was broken\n\n  In step()"  # shown once, not twice
+
+
 def test_redistribute_error_for_an_axis_that_is_not_the_minor_most():
     with simulate((2, 2), ("dp", "tp")), spmd.typecheck(local=False):
         x = spmd.assert_type(torch.randn(4, 3), {"dp": V, "tp": V}, partition_spec=PS(("tp", "dp"), None))

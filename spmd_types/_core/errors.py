@@ -141,6 +141,15 @@ class SpmdTypeError(TypeError, RuntimeError):
         self.plain = format_plain(rejection, source) + (f"\n\n{context}" if context else "")
         shown = _render(rejection, source, self.plain)
         super().__init__(shown + (f"\n\n{context}" if context and shown is not self.plain else ""))
+        self._shown_context = context
+
+    def __str__(self) -> str:
+        """The message, and a ``context`` set after the error was made (as the published API allows)."""
+        text = super().__str__()
+        late = getattr(self, "context", None)
+        if late and late != getattr(self, "_shown_context", None):
+            text += f"\n\n{late}"
+        return text
 
     def __reduce__(self):
         return (_rebuilt, (type(self), Rejection(self.rule, self.seen, self.fixes, self.notes), self.source,

@@ -346,38 +346,37 @@ _axes.CURRENT_NAME[0] = _current_name
 
 
 def _entries_equal(a: object, b: object) -> bool:
-    """Two partition-spec entries stand for the same regions (axes of one rank left out). A name is read on the
-    current mesh; one it does not have matches a region that a mesh gave that name."""
+    """Two partition-spec entries stand for the same regions in the same order (axes of one rank left out): a
+    dim sharded over several axes is split major to minor in the order given, so ``("tp", "dp")`` is not
+    ``("dp", "tp")``. A name is read on the current mesh; one it does not have matches a region that a mesh
+    gave that name."""
     ra, rb = _entry_regions(a), _entry_regions(b)
-    if ra is None or rb is None:
+    if ra is None or rb is None or len(ra) != len(rb):
         return False
-    named_a = {x for x in ra if isinstance(x, str)}
-    named_b = {x for x in rb if isinstance(x, str)}
-    regions_a, regions_b = ra - named_a, rb - named_b
-    if len(ra) != len(rb):
-        return False
-    for name in named_a:  # a name with no mesh current matches a region of the other side that bears it
-        match = [r for r in regions_b if name in r.names] if name not in named_b else [name]
-        if len(match) != 1:
-            return False
-        (regions_b if match[0] in regions_b else named_b).discard(match[0])
-    for name in named_b:
-        match = [r for r in regions_a if name in r.names]
-        if len(match) != 1:
-            return False
-        regions_a.discard(match[0])
-    return regions_a == regions_b
+    return all(_same_axis(x, y) for x, y in zip(ra, rb))
 
 
-def _entry_regions(entry: object) -> set | None:
-    """The regions (of more than one rank) an entry stands for; a name not on the current mesh stays a name."""
+def _same_axis(x: object, y: object) -> bool:
+    if x == y:
+        return True
+    if isinstance(x, str) and not isinstance(y, str):
+        return x in y.names  # type: ignore[attr-defined]
+    if isinstance(y, str) and not isinstance(x, str):
+        return y in x.names  # type: ignore[attr-defined]
+    return False
+
+
+def _entry_regions(entry: object) -> list | None:
+    """The regions (of more than one rank) an entry stands for, in its order; a name not on the current mesh
+    stays a name."""
     axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-    out: set = set()
+    out: list = []
     mesh = current_mesh()
     for a in axes:
         if isinstance(a, str):
             if mesh is None or a not in mesh.groups:  # matched against the other side's regions' names
-                out.add(a)
+                if a not in out:
+                    out.append(a)
                 continue
             region = mesh.region(a)
         elif isinstance(a, MeshAxis):
@@ -387,8 +386,8 @@ def _entry_regions(entry: object) -> set | None:
                 region = region_of_group(a)
             except TypeError:
                 return None
-        if region.size() > 1:
-            out.add(region)
+        if region.size() > 1 and region not in out:
+            out.append(region)
     return out
 
 

@@ -34,5 +34,6 @@ def normalize_axis(axis: Any) -> MeshAxis:
             group = group_named(axis)
             if group is not None:
                 return region_of_group(group)
-        return mesh.region(resolve_axis(axis))  # type: ignore[union-attr]
+        name = resolve_axis(axis)  # no current mesh: an error saying so, before the mesh is read
+        return mesh.region(name)  # type: ignore[union-attr]
     return region_of_group(axis)
