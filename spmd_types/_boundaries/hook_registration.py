@@ -7,8 +7,10 @@ imported are found by walking ``torch.autograd.Function``'s subclasses (torch's
 own included); a Function defined later is registered when its class is made,
 by a wrapper around torch's ``FunctionMeta.__init__`` that registers a class
 carrying a hook and changes nothing else (no class without a hook is touched).
-``typecheck()`` walks the subclasses again, for classes made while the wrapper
-was not installed.
+The outermost ``typecheck()`` walks the subclasses again when a Function class
+was made since the last walk (one that inherits its hook) or the set of seen
+classes changed; otherwise it costs one comparison (a training step enters
+``typecheck()`` every step).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = ["register_hooked_functions", "install", "HOOKS"]
 HOOKS = ("spmd_typecheck", "typecheck_forward")
 _SEEN: set[type] = set()
 _ORIGINAL_INIT: list = []
+_WALKED = [-1]  # len(_SEEN) after the last walk; -1 when a Function class was made since
 
 
 def _has_hook(cls: type) -> bool:
@@ -51,6 +54,13 @@ def register_hooked_functions() -> None:
         if cls not in _SEEN:
             _register_if_hooked(cls)
         stack.extend(cls.__subclasses__())
+    _WALKED[0] = len(_SEEN)
+
+
+def _walk_if_changed() -> None:
+    """At the outermost typecheck(): walk again only if a Function class was made, or one forgotten, since."""
+    if _WALKED[0] != len(_SEEN):
+        register_hooked_functions()
 
 
 def install() -> None:
@@ -63,10 +73,11 @@ def install() -> None:
 
         def __init__(cls: Any, name: str, bases: tuple, attrs: dict) -> None:  # noqa: N807 - the metaclass's own
             original(cls, name, bases, attrs)
+            _WALKED[0] = -1  # the next typecheck() walks again (a subclass may inherit a hook)
             if any(h in attrs for h in HOOKS):
                 _register_if_hooked(cls)
 
         __init__.__wrapped__ = original  # type: ignore[attr-defined]
         FunctionMeta.__init__ = __init__  # type: ignore[method-assign]
-        ON_FIRST_TYPECHECK.append(register_hooked_functions)
+        ON_FIRST_TYPECHECK.append(_walk_if_changed)
     register_hooked_functions()
