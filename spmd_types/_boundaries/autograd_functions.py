@@ -36,13 +36,13 @@ from .._comm.call import begin, type_result, unwrap
 from .._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from .._core.mesh import current_mesh
 from .._core.state import STATE
-from .._core.traced import dynamo_tracing
 from .._core.types import SpmdType, TypeMap, check_type_value
 from .._guards.function_guard import ALLOWED, torch_transparent
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
-from .._torch.private import FUNCTION_APPLY, DisableTorchFunctionSubclass, graph_break, loaded_dynamo
+from .._torch.private import FUNCTION_APPLY, DisableTorchFunctionSubclass
+from .compiled_functions import breaks_a_checked_trace, dynamo_disabled
 from .decomposition import decomposed_apply
 from .hook_apply import run_spmd_typecheck
 
@@ -140,12 +140,12 @@ def _install(cls: type, reg: Registration) -> None:
             forward = previous.original_forward
         else:
             original = own.__func__ if isinstance(own, classmethod) else None
-            cls.apply = classmethod(_eager_apply())  # type: ignore[method-assign]
+            cls.apply = classmethod(dynamo_disabled(_typed_apply))  # type: ignore[method-assign]
             backward, forward = cls.__dict__.get("backward"), cls.__dict__.get("forward")
             if backward is not None:
                 cls.backward = staticmethod(_plain_gradients(backward))  # type: ignore[attr-defined]
             if forward is not None:
-                cls.forward = staticmethod(_eager_under_checked_compile(forward))  # type: ignore[attr-defined]
+                cls.forward = staticmethod(breaks_a_checked_trace(forward))  # type: ignore[attr-defined]
         _REGISTRY[cls] = reg._replace(original_apply=original, original_backward=backward, original_forward=forward)
         ALLOWED[cls] = reg.kind
 
@@ -166,47 +166,13 @@ def _plain_gradients(backward: Any) -> Any:
     return plain_backward
 
 
-_DISABLED: list = []  # _typed_apply as torch._dynamo.disable makes it: torch.compile never traces it
-
-
-def _eager_apply() -> Any:
-    """``_typed_apply``, or (once torch._dynamo is imported) its dynamo-disabled form.
-
-    On torch 2.14 importing ``torch._dynamo`` imports FSDP, which imports this package: dynamo is then in
-    ``sys.modules`` half made, without ``disable``; the plain form serves until a compile starts.
-    """
-    if not _DISABLED:
-        disable = getattr(loaded_dynamo(), "disable", None)
-        if disable is not None:
-            _DISABLED.append(disable(_typed_apply))
-    return _DISABLED[0] if _DISABLED else _typed_apply
-
-
 def run_eagerly_under_compile() -> None:
     """Make every registered class's ``apply`` one that torch.compile runs eagerly (called when a compile starts)."""
-    apply = _eager_apply()
+    apply = dynamo_disabled(_typed_apply)
     with _LOCK:
         for cls in _REGISTRY:
             if cls.__dict__.get("apply").__func__ is not apply:
                 cls.apply = classmethod(apply)  # type: ignore[method-assign]
-
-
-def _eager_under_checked_compile(forward: Any) -> Any:
-    """The class's forward; while dynamo traces it with checking on, a graph break: the Function runs eagerly.
-
-    Dynamo traces a Function into a graph node that no longer says which Function it was, so the compiled
-    graph's checker could not apply the registration; run eagerly, the Function is checked as in eager, on the
-    typed values the graph before it returns. ``fullgraph=True`` refuses the break (docs/compile.md).
-    """
-    fn = forward.__func__ if isinstance(forward, staticmethod) else forward
-
-    def forward_(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        if dynamo_tracing() and STATE.checking:
-            graph_break()
-        return fn(ctx, *args, **kwargs)
-
-    forward_.__wrapped__ = fn  # type: ignore[attr-defined]
-    return forward_
 
 
 def unregister_autograd_function(cls: type) -> None:
