@@ -41,6 +41,8 @@ EXCEPTIONS = {
     ("_checker/asserts.py", "._default_pg"): "assert_type's erased path, latent.remember inline (one frame per call)",
     ("_checker/tensor.py", "._is_compiling_flag"): "every typed op's __torch_function__ reads torch.compiler's flag "
                                                    "(a module attribute that changes: no alias can hold it)",
+    ("_checker/metadata_reads.py", "._is_compiling_flag"): "every metadata read of a typed tensor (shape, dtype, "
+                                                           "size()) reads torch.compiler's flag, as tensor.py does",
     ("_checker/run_ops.py", "._base"): "Tensor._base (a view's base, in torch's view docs): every in-place op's "
                                        "destination is read under the dispatch mode",
 }

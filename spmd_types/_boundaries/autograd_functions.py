@@ -15,7 +15,8 @@ backward, in terms the checker knows:
   is the true derivative of the forward (activation checkpointing).
 
 Typed inputs are checked against the claim before the Function runs; the
-Function itself then runs on plain aliases of its inputs, so its forward and
+Function itself then runs with subclass dispatch off (its typed inputs, and
+what it saved of them, seen as the plain tensors they are), so its forward and
 its hand-written backward do exactly what they did before. Registration sets
 ``apply`` on the registered class only (never on ``torch.autograd.Function``);
 with checking off the wrapper calls the original ``apply`` straight away.
@@ -41,7 +42,12 @@ from .._guards.function_guard import ALLOWED, torch_transparent
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
-from .._torch.private import FUNCTION_APPLY, DisableTorchFunctionSubclass
+from .._torch.private import (
+    FUNCTION_APPLY,
+    DisableTorchFunctionSubclass,
+    is_torch_function_enabled,
+    len_torch_dispatch_stack,
+)
 from .compiled_functions import breaks_a_checked_trace, dynamo_disabled
 from .decomposition import decomposed_apply
 from .hook_apply import run_spmd_typecheck
@@ -52,6 +58,8 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _DisableTF = DisableTorchFunctionSubclass
+_tf_enabled = is_torch_function_enabled
+_dispatch_depth = len_torch_dispatch_stack
 # Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
 _FUNCTION_BASE_APPLY = FUNCTION_APPLY
 
@@ -160,7 +168,12 @@ def _plain_gradients(backward: Any) -> Any:
     fn = backward.__func__ if isinstance(backward, staticmethod) else backward
 
     def plain_backward(ctx: Any, *grads: Any) -> Any:
-        return fn(ctx, *(unwrap(g) if isinstance(g, torch.Tensor) else g for g in grads))
+        # typed values it saved in forward come back typed: subclass dispatch off, its ops run as written
+        grads = tuple(unwrap(g) if type(g) in _TYPED_CLASSES else g for g in grads)
+        if _dispatch_depth():  # under the rank simulator its forward was given aliases (_run_plain)
+            return fn(ctx, *grads)
+        with _DisableTF():
+            return fn(ctx, *grads)
 
     plain_backward.__wrapped__ = fn  # type: ignore[attr-defined]
     return plain_backward
@@ -247,7 +260,8 @@ def _original_apply(cls: type, reg: Registration | None, args: tuple, kwargs: di
 
 def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     reg = _REGISTRY.get(cls)
-    if reg is None or not STATE.checking or reg.kind == "transparent":
+    if reg is None or not STATE.checking or reg.kind == "transparent" or not _tf_enabled():
+        # (subclass dispatch off: called from a registered Function's forward or backward, which run as written)
         # A subclass of a registered class is not registered: its forward meets the guard.
         return _original_apply(cls, reg, args, kwargs)
     if reg.kind == "rule" and not kwargs:  # the common case (Megatron's Functions): one pass reads the arguments
@@ -256,7 +270,7 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             return _original_apply(cls, reg, args, kwargs)
         out_types = _rule_types(cls, reg, args, own)
         _refuse_global(cls)
-        return _type_outputs(cls, _original_apply(cls, reg, _plain_args(args), kwargs), out_types)
+        return _type_outputs(cls, _run_plain(cls, reg, args, kwargs), out_types)
     if not _any_typed(args, kwargs):
         return _original_apply(cls, reg, args, kwargs)
     if reg.kind == "op":
@@ -273,8 +287,19 @@ def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     else:
         out_types = _local_types(cls, args, kwargs)
     _refuse_global(cls)
-    out = _original_apply(cls, reg, _plain_args(args), _plain_kw(kwargs) if kwargs else kwargs)
-    return _type_outputs(cls, out, out_types)
+    return _type_outputs(cls, _run_plain(cls, reg, args, kwargs), out_types)
+
+
+def _run_plain(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
+    """The original ``apply`` on the typed inputs seen as plain tensors: subclass dispatch off.
+
+    Under a dispatch mode (the rank simulator) a typed tensor is also a tensor subclass that the mode
+    dispatches on, so the Function gets plain aliases of its inputs instead.
+    """
+    if _dispatch_depth():
+        return _original_apply(cls, reg, _plain(args), _plain_kw(kwargs))
+    with _DisableTF():
+        return _original_apply(cls, reg, args, kwargs)
 
 
 class _Inside(threading.local):
@@ -297,20 +322,6 @@ def _apply_typecheck_forward(cls: type, reg: Registration, args: tuple, kwargs: 
         return cls.typecheck_forward(*args, **kwargs)
     finally:
         _INSIDE.classes = _INSIDE.classes[:-1]
-
-
-def _plain_args(args: tuple) -> tuple:
-    """``_plain(args)``: a Function's arguments with each typed tensor given as a plain alias."""
-    out = []
-    for a in args:
-        tp = type(a)
-        if tp in _UNTYPED_LEAVES:
-            out.append(a)
-        elif tp in _TYPED_CLASSES:
-            out.append(unwrap(a))
-        else:
-            out.append(_plain(a))
-    return tuple(out)
 
 
 def _plain_kw(kwargs: Mapping[str, Any]) -> dict:

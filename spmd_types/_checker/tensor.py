@@ -40,6 +40,7 @@ from .._torch.private import (
     len_torch_dispatch_stack,
 )
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
+from .metadata_reads import install_metadata_reads
 from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _AUTOGRAD_RUNS,
@@ -323,6 +324,7 @@ def _rebuild_typed_parameter(data: torch.Tensor, requires_grad: bool, types: Typ
     return p  # type: ignore[return-value]
 
 
+install_metadata_reads(LTensor)
 _SWAP_BACK[TypedParameter] = torch.nn.Parameter
 _SWAP_BACK[LTensor] = torch.Tensor  # a plain tensor typed in place under the rank simulator (made outside it)
 _TYPED_CLASSES.update({LTensor, TypedParameter})
