@@ -198,6 +198,30 @@ def fake_store() -> type:
     return importlib.import_module("torch.testing._internal.distributed.fake_pg").FakeStore
 
 
+# --- FSDP2 internals (``torch.distributed.fsdp._fully_shard``): run rank by rank on simulated ranks -----------
+def fsdp_slots() -> list[tuple[Any, str]]:
+    """FSDP2's functions that a simulation runs rank by rank, as (owner, attribute); loaded on first use.
+
+    ``alloc_storage`` / ``free_storage`` (``_fsdp_param``, and the name ``_fsdp_param_group`` imported)
+    resize a tensor's storage; ``_chunk_with_empty`` makes the chunks a parameter's shard is picked from by
+    rank; ``FSDPMeshInfo`` / ``DDPMeshInfo.__post_init__`` read this rank's index in the shard and
+    replicate groups. A slot this torch lacks is left out.
+    """
+    base = "torch.distributed.fsdp._fully_shard."
+    param = importlib.import_module(base + "_fsdp_param")
+    group = importlib.import_module(base + "_fsdp_param_group")
+    common = importlib.import_module(base + "_fsdp_common")
+    slots = [(param, "alloc_storage"), (param, "free_storage"), (group, "alloc_storage"),
+             (param, "_chunk_with_empty"), (common.FSDPMeshInfo, "__post_init__"),
+             (common.DDPMeshInfo, "__post_init__")]
+    return [(owner, name) for owner, name in slots if name in vars(owner)]
+
+
+def strided_shard_class() -> type:
+    """``torch.distributed.tensor.placement_types._StridedShard``: FSDP2's shard of a dim tp shards too."""
+    return importlib.import_module("torch.distributed.tensor.placement_types")._StridedShard
+
+
 # --- dynamo internals (torch.compile meeting typed tensors) --------------------------------------------------
 def dynamo() -> ModuleType:
     """``torch._dynamo`` (loaded on first use: allow_in_graph, nonstrict_trace, disable)."""
@@ -309,6 +333,9 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch.distributed.tensor._dtensor_spec.DTensorSpec": dtensor_spec_class,
     "torch.distributed.tensor._api._FromTorchTensor": from_torch_tensor_function,
     "torch.testing._internal.distributed.fake_pg.FakeStore": fake_store,
+    "torch.distributed.fsdp._fully_shard (alloc_storage, free_storage, _chunk_with_empty, mesh infos)":
+        lambda: len(fsdp_slots()) == 6 or None,
+    "torch.distributed.tensor.placement_types._StridedShard": strided_shard_class,
     "torch._dynamo": dynamo,
     "torch._dynamo.allow_in_graph": lambda: dynamo().allow_in_graph,
     "torch._dynamo.nonstrict_trace": lambda: dynamo().nonstrict_trace,

@@ -23,6 +23,7 @@ from .._torch.private import (
     prepare_collective_groups,
     simulator,
 )
+from ._simulate_fsdp import fsdp_on_simulated_ranks
 
 __all__ = ["simulate", "per_rank", "rank_values", "ranks_read_per_rank"]
 
@@ -80,6 +81,9 @@ def simulate(
     ``dist.get_rank(group)`` and ``group.rank()`` of a sub-group answer a per-rank int
     (:func:`ranks_read_per_rank`), so torchtitan's vocab-parallel embedding and Megatron's
     vocabulary slicing run as on real ranks. ``dist.get_world_size(group)`` is the group's size.
+    FSDP2 (``fully_shard``) runs too: its storage resizing and shard picking run per simulated rank
+    (:func:`~spmd_types.testing._simulate_fsdp.fsdp_on_simulated_ranks`), its all-gather and
+    reduce-scatter on every rank's values.
 
     ``rank`` (with ``ranks="fake"``) is the rank whose program runs: this
     process joins the fake group as that rank, so its coordinates on the mesh,
@@ -124,6 +128,7 @@ def simulate(
                 stack.enter_context(LocalTensorMode(world))
                 stack.enter_context(ranks_read_per_rank())
                 stack.enter_context(_per_rank_ints_have_hints())
+                stack.enter_context(fsdp_on_simulated_ranks())
             stack.enter_context(torch.device(device))
             stack.enter_context(set_current_mesh(mesh))
             yield mesh
