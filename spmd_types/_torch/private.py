@@ -205,14 +205,16 @@ def fsdp_slots() -> list[tuple[Any, str]]:
     ``alloc_storage`` / ``free_storage`` (``_fsdp_param``, and the name ``_fsdp_param_group`` imported)
     resize a tensor's storage; ``_chunk_with_empty`` makes the chunks a parameter's shard is picked from by
     rank; ``FSDPMeshInfo`` / ``DDPMeshInfo.__post_init__`` read this rank's index in the shard and
-    replicate groups. A slot this torch lacks is left out.
+    replicate groups; ``_fsdp_collectives._get_gradient_divide_factors`` picks the reduce-scatter's op
+    (a ``PREMUL_SUM`` for a divide factor other than the group's size). A slot this torch lacks is left out.
     """
     base = "torch.distributed.fsdp._fully_shard."
     param = importlib.import_module(base + "_fsdp_param")
     group = importlib.import_module(base + "_fsdp_param_group")
     common = importlib.import_module(base + "_fsdp_common")
-    slots = [(param, "alloc_storage"), (param, "free_storage"), (group, "alloc_storage"),
-             (param, "_chunk_with_empty"), (common.FSDPMeshInfo, "__post_init__"),
+    collectives = importlib.import_module(base + "_fsdp_collectives")
+    slots = [(collectives, "_get_gradient_divide_factors"), (param, "alloc_storage"), (param, "free_storage"),
+             (group, "alloc_storage"), (param, "_chunk_with_empty"), (common.FSDPMeshInfo, "__post_init__"),
              (common.DDPMeshInfo, "__post_init__")]
     return [(owner, name) for owner, name in slots if name in vars(owner)]
 
@@ -333,8 +335,8 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch.distributed.tensor._dtensor_spec.DTensorSpec": dtensor_spec_class,
     "torch.distributed.tensor._api._FromTorchTensor": from_torch_tensor_function,
     "torch.testing._internal.distributed.fake_pg.FakeStore": fake_store,
-    "torch.distributed.fsdp._fully_shard (alloc_storage, free_storage, _chunk_with_empty, mesh infos)":
-        lambda: len(fsdp_slots()) == 6 or None,
+    "torch.distributed.fsdp._fully_shard (alloc_storage, free_storage, _chunk_with_empty, mesh infos, "
+    "_get_gradient_divide_factors)": lambda: len(fsdp_slots()) == 7 or None,
     "torch.distributed.tensor.placement_types._StridedShard": strided_shard_class,
     "torch._dynamo": dynamo,
     "torch._dynamo.allow_in_graph": lambda: dynamo().allow_in_graph,

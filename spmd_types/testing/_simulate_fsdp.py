@@ -7,10 +7,15 @@ torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) cannot run under ``LocalT
   refuses ("Attempted to call resize_() on an invalid python storage");
 * it picks each rank's shard of a parameter by indexing a list of chunks with the rank's index in the
   shard group, which on simulated ranks is a per-rank int (a Python list takes plain ints only), or,
-  where the shard group is the default group (a 1-D mesh), this process's rank on every rank.
+  where the shard group is the default group (a 1-D mesh), this process's rank on every rank;
+* with a gradient divide factor other than the shard group's size (``set_gradient_divide_factor``) it
+  reduce-scatters with ``ReduceOp.PREMUL_SUM(1 / factor)``, whose factor the simulator cannot read
+  ("PREMUL_SUM: need to add binding for scaling factor").
 
 Inside :func:`fsdp_on_simulated_ranks` these run rank by rank: each simulated rank's own storage is
-resized, FSDP's mesh infos hold each rank's own index, and each rank takes its own chunk. The rest of
+resized, FSDP's mesh infos hold each rank's own index, and each rank takes its own chunk; a
+``PREMUL_SUM`` reduce-scatter becomes FSDP's own alternative, a sum with the factor divided out before
+and after it (``force_sum_reduction_for_comms``, the path FSDP takes for float16 and on MTIA). The rest of
 FSDP runs unchanged: its all-gather and reduce-scatter are torch's collectives, which the simulator
 runs on every rank's values, so what each simulated rank holds is what FSDP computed for it.
 """
@@ -106,7 +111,22 @@ def _ranks_per_rank(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
     return per_rank
 
 
+def _summed(divide_factors: Callable[..., tuple]) -> Callable[..., tuple]:
+    """FSDP's choice of reduce ops, with a ``PREMUL_SUM`` reduce-scatter replaced by a sum and divisions."""
+    import torch.distributed as dist
+
+    @functools.wraps(divide_factors)
+    def factors(*args: Any) -> tuple:
+        chosen = divide_factors(*args)
+        if getattr(chosen[2], "op", chosen[2]) != dist.ReduceOp.PREMUL_SUM:
+            return chosen
+        return divide_factors(*args[:5], True)  # (groups, reduce dtype, device type, factor, force sum)
+
+    return factors
+
+
 _PER_RANK: dict[str, Callable[[Any], Any]] = {
+    "_get_gradient_divide_factors": _summed,
     "alloc_storage": _each_rank,
     "free_storage": _each_rank,
     "_chunk_with_empty": _chunks,
