@@ -219,6 +219,15 @@ def fsdp_slots() -> list[tuple[Any, str]]:
     return [(owner, name) for owner, name in slots if name in vars(owner)]
 
 
+def clear_sharding_cache() -> None:
+    """Empty DTensor's sharding-propagation caches (``torch.distributed.tensor.debug._clear_sharding_prop_cache``).
+
+    Their keys compare meshes by value, so a spec cached on one simulation's mesh is handed out on the
+    next one's equal mesh (FSDP2 then refuses a parameter whose mesh is not the one it was given).
+    """
+    importlib.import_module("torch.distributed.tensor.debug")._clear_sharding_prop_cache()
+
+
 def strided_shard_class() -> type:
     """``torch.distributed.tensor.placement_types._StridedShard``: FSDP2's shard of a dim tp shards too."""
     return importlib.import_module("torch.distributed.tensor.placement_types")._StridedShard
@@ -338,6 +347,8 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch.distributed.fsdp._fully_shard (alloc_storage, free_storage, _chunk_with_empty, mesh infos, "
     "_get_gradient_divide_factors)": lambda: len(fsdp_slots()) == 7 or None,
     "torch.distributed.tensor.placement_types._StridedShard": strided_shard_class,
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache":
+        lambda: importlib.import_module("torch.distributed.tensor.debug")._clear_sharding_prop_cache,
     "torch._dynamo": dynamo,
     "torch._dynamo.allow_in_graph": lambda: dynamo().allow_in_graph,
     "torch._dynamo.nonstrict_trace": lambda: dynamo().nonstrict_trace,

@@ -16,6 +16,7 @@ import torch
 from .._torch.private import (
     DisableTorchFunctionSubclass,
     SymNode,
+    clear_sharding_cache,
     fake_store,
     int_on_rank,
     local_dist_class,
@@ -119,6 +120,7 @@ def simulate(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"simulate: rank must be one of the mesh's {world} ranks (0 to {world - 1}), got {rank!r}")
     created = _fake_world(world, rank)
+    clear_sharding_cache()  # DTensor's cached specs name the meshes of earlier simulations (equal, not the same)
     try:
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
         with contextlib.ExitStack() as stack:
