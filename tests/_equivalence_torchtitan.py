@@ -3,12 +3,13 @@
 What a torchtitan user writes to check a model: ``build(mesh)`` makes the model the trainer's way
 (torchtitan's config, ``ParallelDims``, ``spec.model.build()``, ``init_weights``, the model's own
 ``parallelize_fn``), and ``step`` is the trainer's ``_forward_backward_body`` (forward and loss in
-``get_spmd_context``, backward), then the gradient sync FSDP would do (an all-reduce over dp: FSDP
-itself is not applied on torch 2.13, see ``_torchtitan_shims.load``) and, when asked, an optimizer
-step. Nothing here reads or fakes a rank: ``dist.get_rank(group)`` in torchtitan's embedding and
+``get_spmd_context``, backward), then, when asked, an optimizer step. With ``Options(fsdp=True)``
+(torch 2.14) torchtitan's own ``fully_shard`` is applied and its reduce-scatter is the gradient sync,
+run on the simulated ranks; otherwise FSDP is left out (``fsdp_skipped``) and the step does the sum
+over dp FSDP would do (an all-reduce). Nothing here reads or fakes a rank: ``dist.get_rank(group)`` in torchtitan's embedding and
 loss is answered per simulated rank by ``check_equivalence`` itself. The CPU accommodations are
 ``_torchtitan_shims.load``'s (``device_type`` "cpu", FlexAttention as dense math, the experts'
-grouped matmul in float32, ``fully_shard`` not applied); docs/equivalence.md names them.
+grouped matmul in float32, ``fully_shard`` not applied unless asked); docs/equivalence.md names them.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def test_typed_fsdp_x_tp_mlp_matches_one_device_in_float32():
     assert [(c.kind, c.name) for c in report.compared] == [
         ("output", "up"), ("output", "down"), ("output", "MLP"), ("loss", "loss"),
         ("grad", "up.weight"), ("grad", "down.weight")]
-    assert _margin(report) > 4  # measured 12.2 (docs/equivalence.md)
+    assert _margin(report) > 4  # measured 9.7 (docs/equivalence.md)
     parallel = [m for m in built if isinstance(m, FSDPModule)]
     assert len(parallel) == 1  # the parallel run's model, FSDP applied; the reference runs are plain
     up, down = parallel[0].up.weight, parallel[0].down.weight

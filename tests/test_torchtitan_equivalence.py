@@ -96,7 +96,9 @@ def test_llama3_with_fsdp_applied_matches_one_device():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not fsdp_reads_spmd_types(), reason="torch 2.13's FSDP2 does not read spmd types")
-def test_bug_llama3_fsdp_gradients_averaged_over_dp_is_caught_at_the_gradients():
+def test_bug_llama3_fsdp_gradients_averaged_over_dp_is_caught_at_the_gradients(request):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("nightly: the MLP of test_equivalence_fsdp.py plants FSDP's divide factor in CI (-m slow runs it)")
     report = _check(E.Options(model="llama3", fsdp=True, after_build=_fsdp_mean), (2, 2))
     assert {d.kind for d in report.divergences} == {"grad"}  # outputs and loss match: the reduction is wrong
     assert report.first.name == "tok_embeddings.weight"
