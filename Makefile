@@ -51,7 +51,7 @@ test214: setup214
 
 # torch 2.13.0 runs everything but these end-to-end files (about 15 of CI's minutes; they run on 2.14.1):
 # the torchtitan trainer, FSDP, compile and equivalence runs, Megatron-core's models, the fuzzer, the examples.
-ONLY_214 := test_torchtitan_trainer test_torchtitan_fsdp test_torchtitan_compile test_torchtitan_equivalence \
+ONLY_214 := test_torchtitan_trainer test_torchtitan_fsdp test_torchtitan_compile test_torchtitan_equivalence test_equivalence_fsdp \
 	test_fsdp_spmd test_torch_untouched test_equivalence_megatron test_equivalence_gpt test_megatron_moe \
 	test_megatron_compile test_megatron_core test_fuzz test_examples test_dtensor_model test_dp_recipes \
 	test_compile_typed test_docs_site

@@ -3,12 +3,13 @@
 What a torchtitan user writes to check a model: ``build(mesh)`` makes the model the trainer's way
 (torchtitan's config, ``ParallelDims``, ``spec.model.build()``, ``init_weights``, the model's own
 ``parallelize_fn``), and ``step`` is the trainer's ``_forward_backward_body`` (forward and loss in
-``get_spmd_context``, backward), then the gradient sync FSDP would do (an all-reduce over dp: FSDP
-itself is not applied on torch 2.13, see ``_torchtitan_shims.load``) and, when asked, an optimizer
-step. Nothing here reads or fakes a rank: ``dist.get_rank(group)`` in torchtitan's embedding and
+``get_spmd_context``, backward), then, when asked, an optimizer step. With ``Options(fsdp=True)``
+(torch 2.14) torchtitan's own ``fully_shard`` is applied and its reduce-scatter is the gradient sync,
+run on the simulated ranks; otherwise FSDP is left out (``fsdp_skipped``) and the step does the sum
+over dp FSDP would do (an all-reduce). Nothing here reads or fakes a rank: ``dist.get_rank(group)`` in torchtitan's embedding and
 loss is answered per simulated rank by ``check_equivalence`` itself. The CPU accommodations are
 ``_torchtitan_shims.load``'s (``device_type`` "cpu", FlexAttention as dense math, the experts'
-grouped matmul in float32, ``fully_shard`` not applied); docs/equivalence.md names them.
+grouped matmul in float32, ``fully_shard`` not applied unless asked); docs/equivalence.md names them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Options:
     optimizer: Callable[..., Any] | None = None  # (named parameters, lr, parallel_dims) -> optimizer; default SGD
     ep: int = 1
     after_build: Callable[[torch.nn.Module, Any], None] | None = None  # (model, parallel_dims): a planted change
+    fsdp: bool = False  # torchtitan's fully_shard applied (torch 2.14): FSDP's reduce-scatter is in the step
 
 
 def _sizes(mesh: Any) -> dict[str, int]:
@@ -54,6 +56,12 @@ def build(mesh: Any, opts: Options) -> torch.nn.Module:
     tp = sizes.get("tp", 1)
     case = Case(opts.model, opts.model, world=world, tp=tp, ep=opts.ep if world > 1 else 1, sp=opts.sp and tp > 1)
     cfg = trainer_config(case, checking=True, world=world)
+    if opts.fsdp:  # FSDP computes and reduces in the run's dtype: the float64 twin that measures round-off too
+        from torchtitan.config import TORCH_DTYPE_MAP
+
+        TORCH_DTYPE_MAP.setdefault("float64", torch.float64)  # torchtitan's config names no float64
+        cfg.training.mixed_precision_param = cfg.training.mixed_precision_reduce = \
+            str(torch.get_default_dtype()).removeprefix("torch.")
     parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
     spec = cfg.model_spec
@@ -62,7 +70,8 @@ def build(mesh: Any, opts: Options) -> torch.nn.Module:
     model.verify_module_protocol()
     with torch.no_grad(), spmd.no_typecheck():
         model.init_weights(buffer_device=None)  # the values do not matter: check_equivalence loads the reference's
-    with fsdp_skipped():  # FSDP2 cannot run on simulated ranks (its all-gather resizes storage)
+    # FSDP applied (outside typecheck(), as the trainer parallelizes), or left out and its reduction done in step
+    with spmd.no_typecheck() if opts.fsdp else fsdp_skipped():
         model = spec.parallelize_fn(
             model, parallel_dims=parallel_dims, training=cfg.training, parallelism=cfg.parallelism,
             compile_config=cfg.compile, ac_config=cfg.activation_checkpoint, dump_folder="/nonexistent")
@@ -112,7 +121,7 @@ def step(model: torch.nn.Module, batch: dict, mesh: Any, opts: Options) -> torch
     trainer = types.SimpleNamespace(train_context=context, model_parts=[model], loss_fn=loss_fn)
     loss = Trainer._forward_backward_body(trainer, inputs, labels, global_valid, extra)
     with spmd.set_current_mesh(pd.spmd_dense_mesh()):
-        for p in model.parameters():  # what FSDP's reduce-scatter (or DDP's all-reduce) does
+        for p in model.parameters() if not opts.fsdp else ():  # what FSDP's reduce-scatter (or DDP's all-reduce) does
             if p.grad is not None and spmd.get_type(p.grad).get("dp") is P:
                 p.grad = spmd.all_reduce(p.grad, "dp", src=P, dst=R)
         if opts.lr is not None:

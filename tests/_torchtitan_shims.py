@@ -136,7 +136,7 @@ def load() -> Any:
       its FSDP rejects plain parameters that carry spmd types when
       ``dp_mesh_dims`` is given; the reduction FSDP would do is done when
       gradients are reassembled. torch 2.14 reads the types, and FSDP is applied
-      (except on simulated ranks, :func:`fsdp_skipped`).
+      (on simulated ranks too; :func:`fsdp_skipped` leaves it out where asked).
     """
     if "torchtitan" in _LOADED:
         return _LOADED["torchtitan"]
@@ -191,11 +191,12 @@ def _set_fsdp(fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def fsdp_skipped() -> Iterator[None]:
-    """``fully_shard`` left out inside the block (:func:`skip_fsdp`): FSDP2 cannot run on simulated ranks.
+    """``fully_shard`` left out inside the block (:func:`skip_fsdp`): the step then does FSDP's sum over dp.
 
-    Under ``LocalTensorMode`` FSDP's first all-gather fails to resize its
-    storage (``tests/test_torchtitan_fsdp.py`` pins the error), so the simulated
-    ranks run torchtitan's step without it, on torch 2.14 as on 2.13.
+    Under torch's bare ``LocalTensorMode`` FSDP's first all-gather fails to resize its storage
+    (``tests/test_torchtitan_fsdp.py`` pins the error); ``simulate(ranks="local")`` and so
+    ``check_equivalence`` run FSDP per simulated rank (``_equivalence_torchtitan.Options(fsdp=True)``).
+    The checks without FSDP keep it out, on torch 2.14 as on 2.13.
     """
     load()
     previous = _set_fsdp(skip_fsdp)

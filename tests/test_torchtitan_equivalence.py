@@ -18,7 +18,7 @@ pytest.importorskip("torchtitan")
 
 import _equivalence_torchtitan as E  # noqa: E402
 import torch  # noqa: E402
-from _torchtitan_shims import load  # noqa: E402
+from _torchtitan_shims import fsdp_reads_spmd_types, load  # noqa: E402
 
 from spmd_types.testing import check_equivalence  # noqa: E402
 
@@ -60,6 +60,48 @@ def test_dense_models_match_one_device_with_no_rank_shims(model, shape, sp, dtyp
     assert report.ok, report
     assert report.not_compared == []
     assert _margin(report) > 4  # measured: docs/equivalence.md
+
+
+def _fsdp_applied(seen: list):
+    def record(model, parallel_dims) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        if parallel_dims.dp_shard > 1:
+            seen.append(isinstance(model, FSDPModule) and all(isinstance(p, DTensor) for p in model.parameters()))
+
+    return record
+
+
+def _fsdp_mean(model, parallel_dims) -> None:
+    # BUG: FSDP's default, the mean over dp, which torchtitan turns off (divide factor 1): its loss is already
+    # divided by the global token count, so the dp ranks' gradients must be summed
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(float(parallel_dims.dp_shard))
+
+
+@pytest.mark.skipif(not fsdp_reads_spmd_types(), reason="torch 2.13's FSDP2 does not read spmd types")
+def test_llama3_with_fsdp_applied_matches_one_device():
+    # issue 22 item 1: dp_shard=2 x tp=2 with torchtitan's fully_shard applied, so FSDP's all-gather and
+    # reduce-scatter run on the simulated ranks inside the compared step
+    seen: list = []
+    report = _check(E.Options(model="llama3", fsdp=True, after_build=_fsdp_applied(seen)), (2, 2))
+    assert seen == [True]  # the parallel run's model is FSDP's, its parameters sharded DTensors
+    assert report.ok, report
+    assert report.not_compared == []
+    assert len([c for c in report.compared if c.kind == "grad"]) == 10
+    assert _margin(report) > 4  # measured 11.6, as without FSDP (docs/equivalence.md)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fsdp_reads_spmd_types(), reason="torch 2.13's FSDP2 does not read spmd types")
+def test_bug_llama3_fsdp_gradients_averaged_over_dp_is_caught_at_the_gradients(request):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("nightly: the MLP of test_equivalence_fsdp.py plants FSDP's divide factor in CI (-m slow runs it)")
+    report = _check(E.Options(model="llama3", fsdp=True, after_build=_fsdp_mean), (2, 2))
+    assert {d.kind for d in report.divergences} == {"grad"}  # outputs and loss match: the reduction is wrong
+    assert report.first.name == "tok_embeddings.weight"
 
 
 def test_qwen3_moe_at_ep2_matches_one_device():

@@ -62,9 +62,9 @@ def test_torch_213_fsdp_refuses_typed_plain_parameters():
 
 @on_214
 def test_fsdp_cannot_run_on_simulated_ranks():
-    # why the numerics with FSDP run on gloo processes, and the simulated-rank tests (test_torchtitan.py) without
-    # it: FSDP2 frees and refills its unsharded parameters by resizing storage, which LocalTensor's storage refuses.
-    # Plain torch: no spmd type involved.
+    # torch's simulator alone: FSDP2 frees and refills its unsharded parameters by resizing storage, which
+    # LocalTensor's storage refuses. Plain torch, no spmd type involved; simulate(ranks="local") and
+    # check_equivalence teach the simulator FSDP's storage and shard picking (test_equivalence_fsdp.py).
     import torch.distributed as dist
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.device_mesh import init_device_mesh

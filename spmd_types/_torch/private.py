@@ -198,6 +198,41 @@ def fake_store() -> type:
     return importlib.import_module("torch.testing._internal.distributed.fake_pg").FakeStore
 
 
+# --- FSDP2 internals (``torch.distributed.fsdp._fully_shard``): run rank by rank on simulated ranks -----------
+def fsdp_slots() -> list[tuple[Any, str]]:
+    """FSDP2's functions that a simulation runs rank by rank, as (owner, attribute); loaded on first use.
+
+    ``alloc_storage`` / ``free_storage`` (``_fsdp_param``, and the name ``_fsdp_param_group`` imported)
+    resize a tensor's storage; ``_chunk_with_empty`` makes the chunks a parameter's shard is picked from by
+    rank; ``FSDPMeshInfo`` / ``DDPMeshInfo.__post_init__`` read this rank's index in the shard and
+    replicate groups; ``_fsdp_collectives._get_gradient_divide_factors`` picks the reduce-scatter's op
+    (a ``PREMUL_SUM`` for a divide factor other than the group's size). A slot this torch lacks is left out.
+    """
+    base = "torch.distributed.fsdp._fully_shard."
+    param = importlib.import_module(base + "_fsdp_param")
+    group = importlib.import_module(base + "_fsdp_param_group")
+    common = importlib.import_module(base + "_fsdp_common")
+    collectives = importlib.import_module(base + "_fsdp_collectives")
+    slots = [(collectives, "_get_gradient_divide_factors"), (param, "alloc_storage"), (param, "free_storage"),
+             (group, "alloc_storage"), (param, "_chunk_with_empty"), (common.FSDPMeshInfo, "__post_init__"),
+             (common.DDPMeshInfo, "__post_init__")]
+    return [(owner, name) for owner, name in slots if name in vars(owner)]
+
+
+def clear_sharding_cache() -> None:
+    """Empty DTensor's sharding-propagation caches (``torch.distributed.tensor.debug._clear_sharding_prop_cache``).
+
+    Their keys compare meshes by value, so a spec cached on one simulation's mesh is handed out on the
+    next one's equal mesh (FSDP2 then refuses a parameter whose mesh is not the one it was given).
+    """
+    importlib.import_module("torch.distributed.tensor.debug")._clear_sharding_prop_cache()
+
+
+def strided_shard_class() -> type:
+    """``torch.distributed.tensor.placement_types._StridedShard``: FSDP2's shard of a dim tp shards too."""
+    return importlib.import_module("torch.distributed.tensor.placement_types")._StridedShard
+
+
 # --- dynamo internals (torch.compile meeting typed tensors) --------------------------------------------------
 def dynamo() -> ModuleType:
     """``torch._dynamo`` (loaded on first use: allow_in_graph, nonstrict_trace, disable)."""
@@ -309,6 +344,11 @@ NAMES: dict[str, Callable[[], Any]] = {
     "torch.distributed.tensor._dtensor_spec.DTensorSpec": dtensor_spec_class,
     "torch.distributed.tensor._api._FromTorchTensor": from_torch_tensor_function,
     "torch.testing._internal.distributed.fake_pg.FakeStore": fake_store,
+    "torch.distributed.fsdp._fully_shard (alloc_storage, free_storage, _chunk_with_empty, mesh infos, "
+    "_get_gradient_divide_factors)": lambda: len(fsdp_slots()) == 7 or None,
+    "torch.distributed.tensor.placement_types._StridedShard": strided_shard_class,
+    "torch.distributed.tensor.debug._clear_sharding_prop_cache":
+        lambda: importlib.import_module("torch.distributed.tensor.debug")._clear_sharding_prop_cache,
     "torch._dynamo": dynamo,
     "torch._dynamo.allow_in_graph": lambda: dynamo().allow_in_graph,
     "torch._dynamo.nonstrict_trace": lambda: dynamo().nonstrict_trace,

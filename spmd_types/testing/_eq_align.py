@@ -20,7 +20,8 @@ import torch
 from .._core.dtensor_hook import is_dtensor
 from .._core.types import I, P, R, SpmdType, V
 from .._torch.private import DisableTorchFunctionSubclass, dtensor_local, local_tensors_of
-from ._eq_record import Snapshot, _dtensor_types, types_on
+from ._eq_dtensor import dtensor_types
+from ._eq_record import Snapshot, types_on
 from ._simulate import _coords, _outside_simulation, per_rank
 
 __all__ = ["MeshInfo", "Assembled", "Sources", "load_parameters", "local_batch", "assemble", "assemble_per_rank",
@@ -101,13 +102,8 @@ def _cut(full: torch.Tensor, types: Mapping[str, SpmdType], mesh: MeshInfo, rank
 
 
 def _param_types(p: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
-    if is_dtensor(p):
-        types, _ = _dtensor_types(p, tuple(mesh.mesh_dim_names))
-        if types is None:  # a DTensor on a sub-mesh: the axes it does not name hold whole copies
-            from ..integrations.dtensor.placements import placement_to_type
-
-            types = dict(zip(p.device_mesh.mesh_dim_names or (), map(placement_to_type, p.placements)))
-        return types
+    if is_dtensor(p):  # the axes a DTensor's mesh does not span hold whole copies
+        return dtensor_types(p, mesh)[0]
     return types_on(p, mesh)
 
 
@@ -131,6 +127,13 @@ class Sources:
 
     layouts: Mapping[str, Callable[..., torch.Tensor]] | None = None
     names: Mapping[str, Callable[[str, dict[str, int]], str]] | None = None
+
+    def with_layouts(self, extra: Mapping[str, Callable[..., torch.Tensor]]) -> Sources:
+        """These sources with ``extra`` layouts after the given ones (a given glob that matches still wins)."""
+        if not extra:
+            return self
+        return Sources({**(self.layouts or {}), **{k: v for k, v in extra.items() if k not in (self.layouts or {})}},
+                       self.names)
 
     def per_rank(self, name: str) -> bool:
         """True when ``name`` has a layout or a reference name: its values are compared rank by rank."""

@@ -26,6 +26,7 @@ from .._core.dtensor_hook import is_dtensor
 from .._core.errors import _PKG_DIR
 from .._core.types import SpmdType
 from .._torch.private import DisableTorchFunctionSubclass, dtensor_local, dtensor_local_or_none, local_tensors_of, tree_leaves
+from ._eq_dtensor import dtensor_types
 from ._simulate import rank_values
 
 __all__ = ["Snapshot", "Recorder", "snapshot", "types_on", "format_source", "module_names"]
@@ -62,22 +63,6 @@ def _plain_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
         return {0: t.detach().to(torch.float64, copy=True)}
 
 
-def _dtensor_types(t: Any, names: tuple[str, ...]) -> tuple[dict[str, SpmdType] | None, str | None]:
-    from ..integrations.dtensor.placements import placement_to_type
-
-    mesh_names = t.device_mesh.mesh_dim_names or ()
-    types: dict[str, SpmdType] = {}
-    for name, placement in zip(mesh_names, t.placements):
-        try:
-            types[name] = placement_to_type(placement)
-        except NotImplementedError:
-            return None, f"a DTensor placement with no SPMD type ({placement!r})"
-    missing = [a for a in names if a not in types]
-    if missing:
-        return None, f"a DTensor on a mesh without axis '{missing[0]}'"
-    return types, None
-
-
 def types_on(t: torch.Tensor, mesh: Any) -> dict[str, SpmdType] | None:
     """``t``'s types presented on ``mesh`` (typed on another presentation of the same ranks, such as an
     expert mesh whose ``ep`` runs over the ranks of ``tp``: moved onto ``mesh``'s axes by region)."""
@@ -96,7 +81,7 @@ def snapshot(t: torch.Tensor, key: str, kind: str, mesh: Any, *, module: str | N
     """Record ``t``: its types on ``mesh``'s axes, its partition-spec dims, every rank's value."""
     snap = Snapshot(key, kind, module=module, source=source)
     if is_dtensor(t):
-        snap.types, snap.why_not = _dtensor_types(t, tuple(mesh.mesh_dim_names))
+        snap.types, snap.why_not = dtensor_types(t, mesh)
         snap.values = _plain_values(dtensor_local(t))
         return snap
     types = types_on(t, mesh)
@@ -118,8 +103,16 @@ def _tensor_leaves(out: Any) -> list[torch.Tensor]:
 
 
 def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
-    """``{module: qualified name}``; the root is named by its class (its qualified name is empty)."""
-    return {m: (name or type(model).__name__) for name, m in model.named_modules()}
+    """``{module: qualified name}``; the root is named by its class (its qualified name is empty).
+
+    A root that ``fully_shard`` gave its class ``FSDP<name>`` (a subclass of ``FSDPModule`` and the
+    model's class) is named by the model's class, as on one device where FSDP is not applied.
+    """
+    cls = type(model)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == "FSDP" + bases[1].__name__:
+        cls = bases[1]
+    return {m: (name or cls.__name__) for name, m in model.named_modules()}
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 from .._torch.private import (
     DisableTorchFunctionSubclass,
     SymNode,
+    clear_sharding_cache,
     fake_store,
     int_on_rank,
     local_dist_class,
@@ -23,6 +24,7 @@ from .._torch.private import (
     prepare_collective_groups,
     simulator,
 )
+from ._simulate_fsdp import fsdp_on_simulated_ranks
 
 __all__ = ["simulate", "per_rank", "rank_values", "ranks_read_per_rank"]
 
@@ -80,6 +82,9 @@ def simulate(
     ``dist.get_rank(group)`` and ``group.rank()`` of a sub-group answer a per-rank int
     (:func:`ranks_read_per_rank`), so torchtitan's vocab-parallel embedding and Megatron's
     vocabulary slicing run as on real ranks. ``dist.get_world_size(group)`` is the group's size.
+    FSDP2 (``fully_shard``) runs too: its storage resizing and shard picking run per simulated rank
+    (:func:`~spmd_types.testing._simulate_fsdp.fsdp_on_simulated_ranks`), its all-gather and
+    reduce-scatter on every rank's values.
 
     ``rank`` (with ``ranks="fake"``) is the rank whose program runs: this
     process joins the fake group as that rank, so its coordinates on the mesh,
@@ -115,6 +120,7 @@ def simulate(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"simulate: rank must be one of the mesh's {world} ranks (0 to {world - 1}), got {rank!r}")
     created = _fake_world(world, rank)
+    clear_sharding_cache()  # DTensor's cached specs name the meshes of earlier simulations (equal, not the same)
     try:
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(names))
         with contextlib.ExitStack() as stack:
@@ -124,6 +130,7 @@ def simulate(
                 stack.enter_context(LocalTensorMode(world))
                 stack.enter_context(ranks_read_per_rank())
                 stack.enter_context(_per_rank_ints_have_hints())
+                stack.enter_context(fsdp_on_simulated_ranks())
             stack.enter_context(torch.device(device))
             stack.enter_context(set_current_mesh(mesh))
             yield mesh

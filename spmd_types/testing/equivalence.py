@@ -23,6 +23,7 @@ from .._torch.private import DisableTorchFunctionSubclass, dtensor_local, local_
 from ._eq_align import MeshInfo, Sources, load_parameters, local_batch
 from ._eq_compare import Asked, Run, compare
 from ._eq_determinism import DrawMode, DrawTape, check_repeats, gross_gaps
+from ._eq_dtensor import strided_layouts
 from ._eq_record import Recorder, Snapshot, snapshot
 from ._eq_report import Comparison, Divergence, DivergenceError, EquivalenceReport, NondeterministicStepError, NotCompared
 from ._simulate import rank_values, simulate
@@ -113,7 +114,8 @@ def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, M
     """
     one = tuple(1 for _ in spec.names)
     start = _initial(spec, one, dtype, state_dict)
-    par = _run(spec, mesh_shape, dtype, start, True)  # its SpmdTypeError propagates as raised
+    found: dict[str, Sources] = {}
+    par = _run(spec, mesh_shape, dtype, start, True, found=found)  # its SpmdTypeError propagates as raised
     tape = DrawTape([s for s in par.outputs if s.kind == "random"], par.mesh, output_dims)  # type: ignore[arg-type]
     held: list[BaseException] = []
     ref = _attempt(spec, one, dtype, start, tape, held)
@@ -129,7 +131,7 @@ def _check(spec: _Spec, mesh_shape: tuple[int, ...], output_dims: Mapping[str, M
             raise held[0]
         if dtype != torch.float64:
             strayed = gross_gaps(ref.snapshots(), twin.snapshots(), dtype)
-    return compare(ref, twin, par, Asked(spec.batch, spec.sources, output_dims), dtype, strayed)
+    return compare(ref, twin, par, Asked(spec.batch, found["sources"], output_dims), dtype, strayed)
 
 
 def _coarsest(run: Run) -> torch.dtype:
@@ -217,10 +219,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping[str, torch.Tensor] | None,
-         parallel: bool, run: Run | None = None, tape: DrawTape | None = None) -> Run:
+         parallel: bool, run: Run | None = None, tape: DrawTape | None = None,
+         found: dict[str, Sources] | None = None) -> Run:
     """Build, load and run one step on a mesh of ``shape``; record everything in ``run``.
 
-    The parallel run records its random draws; a reference run replays them from ``tape``.
+    The parallel run records its random draws; a reference run replays them from ``tape``. The parallel
+    run's sources (the given ones, and a layout for each parameter FSDP2 shards with a strided shard)
+    are put in ``found["sources"]``.
     """
     import spmd_types as spmd
 
@@ -234,8 +239,11 @@ def _run(spec: _Spec, shape: tuple[int, ...], dtype: torch.dtype, start: Mapping
         with spmd.typecheck():
             model = _built(spec, mesh)
         params = dict(model.named_parameters())
+        sources = spec.sources.with_layouts(strided_layouts(params, mesh)) if parallel else None
+        if found is not None:
+            found["sources"] = sources or spec.sources
         if start is not None:
-            load_parameters(params, start, info, spec.sources if parallel else None, parallel=parallel)
+            load_parameters(params, start, info, sources, parallel=parallel)
         run.initial = {n: _whole(p) for n, p in params.items()}
         run.before = {n: snapshot(p, n, "update", mesh).values for n, p in params.items()}
         recorder = Recorder(model, mesh, sources=parallel, dtype=dtype)
