@@ -472,6 +472,8 @@ def _own_types(args: tuple) -> tuple[tuple, bool]:
         if tp in _TYPED_CLASSES:
             out.append(a._spmd_types)
             typed = True
+        elif tp in _SCALARS:  # flags, sizes, None: most of a Megatron Function's arguments
+            out.append(a)
         elif isinstance(a, torch.Tensor):
             found = getattr(a, "_spmd_types", None)
             out.append(found)
@@ -485,6 +487,7 @@ def _own_types(args: tuple) -> tuple[tuple, bool]:
 
 
 _LIST = object()
+_SCALARS = frozenset({type(None), bool, int, float, str, torch.dtype})
 
 
 def _takes_shapes(rule: Callable[..., Any]) -> bool:

@@ -23,7 +23,7 @@ from .._core.state import STATE
 from .._core.traced import compiling, register_call, routed, traced_call, zero
 from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._core.whole_type import type_args
-from .._guards.function_guard import WATCHED, check_apply_outputs
+from .._guards.function_guard import WATCHED, check_apply_outputs, forget_last_caller
 from .._guards.optim_checks import name_parameters
 from .._local.transitions import route_call
 from . import latent
@@ -126,6 +126,7 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
             check_apply_outputs()
     finally:
         WATCHED.outputs = []
+        forget_last_caller()
         STATE.checking, STATE.strict, STATE.global_mode, STATE.local_axes = saved
 
 

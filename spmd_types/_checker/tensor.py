@@ -83,6 +83,8 @@ _PyFunction = types.FunctionType
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _COMPILER = torch.compiler
 _ALIAS = torch.ops.aten.alias.default
+_INT_ONLY = {int}
+_NONZERO = bool  # a sequence of ints is marked by which entries are zero (False) and which not (True)
 
 def format_tensor_type(t: torch.Tensor, types: TypeMap | None) -> str:
     """``f32[4,16] {dp: V, tp: R}``; in global SPMD ``f32[8,16@tp] {dp: V, tp: V}`` (global sizes)."""
@@ -344,7 +346,9 @@ def _marker(a: Any) -> Any:
         if found is not None:
             return found
         return _TRANSFORMED if is_transform_tensor(a) else _PLAIN
-    if tp is list or tp is tuple:  # sizes mostly (split, view): numbers marked without a call each
+    if tp is list or tp is tuple:  # sizes mostly (split, view, permute)
+        if a and set(map(type, a)) == _INT_ONLY:  # all ints: which are zero, without a Python step per number
+            return tuple(map(_NONZERO, a))
         return tuple((_ZERO if x == 0 else _NUMBER) if type(x) is int else _marker(x) for x in a)
     if tp is str:  # a mode argument can decide linearity (scatter_reduce's reduce="sum" vs "amax")
         return a

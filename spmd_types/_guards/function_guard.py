@@ -28,6 +28,7 @@ This module is the low layer (the tensor layer calls
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import weakref
@@ -37,7 +38,7 @@ import torch
 
 from .._core.errors import Rejection, SpmdTypeError, user_source
 
-__all__ = ["ALLOWED", "torch_transparent", "check_no_unregistered_function", "unregistered_error",
+__all__ = ["ALLOWED", "torch_transparent", "check_no_unregistered_function", "forget_last_caller", "unregistered_error",
            "watch_apply_output", "check_apply_outputs", "WATCHED"]
 
 # Function classes whose forward may run on typed tensors: registered ones, and the package's own.
@@ -59,6 +60,17 @@ _TORCH_TRANSPARENT = frozenset({
 })
 
 
+class _LastCaller(threading.local):
+    """The code frame whose op was checked last, and the answer: its next op needs no new search."""
+
+    frame: Any = None
+    inside = False
+
+
+_LAST = _LastCaller()
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 def check_no_unregistered_function() -> bool:
     """Raise if an unregistered custom Function's forward is running (call only with grad mode off).
 
@@ -67,8 +79,28 @@ def check_no_unregistered_function() -> bool:
     unregistered one. Returns whether any Function's forward is on the stack
     (False: the op runs in ``apply`` itself, or in user code with both
     gradient modes off).
+
+    Called by the op's ``__torch_function__`` (or operator), whose caller is the code running the op. A
+    running frame's callers stay what they are until it returns, so the next op of the same frame (a
+    transparent Function's forward runs several) reuses the answer; the frame is held until another one
+    is checked or :func:`forget_last_caller` runs (the end of ``typecheck()``). A generator's or
+    coroutine's frame can resume under other callers: it is searched every time.
     """
-    frame = sys._getframe(1)
+    caller = sys._getframe(2)
+    if caller is _LAST.frame:
+        return _LAST.inside
+    inside = _search(sys._getframe(1))
+    if not caller.f_code.co_flags & _SUSPENDABLE:
+        _LAST.frame, _LAST.inside = caller, inside
+    return inside
+
+
+def forget_last_caller() -> None:
+    """Drop the frame :func:`check_no_unregistered_function` holds (its locals are freed with it)."""
+    _LAST.frame = None
+
+
+def _search(frame: Any) -> bool:
     inside = False
     while frame is not None:
         code = frame.f_code

@@ -21,9 +21,10 @@ from .._torch.private import (
     int_on_rank,
     local_dist_class,
     local_tensors_of,
-    prepare_collective_groups,
     simulator,
 )
+from ._rank_ints import group_index as _group_index
+from ._rank_ints import per_rank_int as _per_rank_int
 from ._simulate_fsdp import fsdp_on_simulated_ranks
 
 __all__ = ["simulate", "per_rank", "rank_values", "ranks_read_per_rank"]
@@ -159,22 +160,6 @@ def _fake_world(size: int, rank: int = 0) -> bool:
 
 # ---------------------------------------------------------------------------
 # ranks read from process groups, per simulated rank
-
-
-def _group_index(group: Any, ranks: frozenset[int]) -> Any:
-    """Each simulated rank's index in its copy of ``group`` (torch's simulator lays groups out by offset)."""
-    members, offsets, _ = prepare_collective_groups(group)
-    index = {o + r: i for o in offsets for i, r in enumerate(members)}
-    return _per_rank_int({r: index[r] for r in ranks})
-
-
-def _per_rank_int(values: dict[int, int]) -> Any:
-    """A plain int where every rank holds the same one, else a per-rank ``SymInt``."""
-    LocalIntNode = simulator().LocalIntNode
-
-    if len(set(values.values())) == 1:
-        return next(iter(values.values()))
-    return torch.SymInt(LocalIntNode(values))
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._torch.private import fsdp_slots, int_on_rank, local_tensors_of, simulator
+from ._rank_ints import group_index
 
 __all__ = ["fsdp_on_simulated_ranks"]
 
@@ -94,7 +95,6 @@ def _chunks(chunk_with_empty: Callable[..., list]) -> Callable[..., list]:
 
 def _ranks_per_rank(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
     """A mesh info's ``shard_mesh_rank`` / ``replicate_mesh_rank``: each simulated rank's index in its group."""
-    from ._simulate import _group_index
 
     @functools.wraps(post_init)
     def per_rank(self: Any) -> None:
@@ -106,7 +106,7 @@ def _ranks_per_rank(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
                                       ("replicate_mesh_rank", "replicate_process_group")):
             group = getattr(self, group_attr, None)
             if group is not None and group.size() > 1:
-                setattr(self, rank_attr, _group_index(group, frozenset(mode.ranks)))
+                setattr(self, rank_attr, group_index(group, frozenset(mode.ranks)))
 
     return per_rank
 
