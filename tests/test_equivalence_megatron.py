@@ -61,9 +61,10 @@ def test_no_false_alarm_in_bfloat16(cpu, sp):
                                dtype=torch.bfloat16)
     assert report.ok, report
     # SGD at lr 0.1 moves most weights by less than bfloat16 resolves (a LayerNorm weight of 1.0 not at all):
-    # those updates are listed as not compared, with the reason, rather than held to a tolerance that passes all
-    assert len(report.compared) == 94 and {n.kind for n in report.not_compared} == {"update"}
-    assert len(report.not_compared) == 15
+    # those updates are listed as not compared, with the reason, rather than held to a tolerance that passes all.
+    # The word embedding, the output layer and both fc2 weights are compared by the scale of the entries that stand out
+    assert len(report.compared) == 98 and {n.kind for n in report.not_compared} == {"update"}
+    assert len(report.not_compared) == 11
     # the closest value stays this many times under its tolerance (measured: about 10.7; docs/equivalence.md)
     assert min(c.tolerance / c.max_abs_error for c in report.compared if c.max_abs_error) > 4
 

@@ -22,6 +22,15 @@ from ._eq_report import Comparison, Divergence, EquivalenceReport, NotCompared
 
 __all__ = ["Run", "Asked", "compare"]
 
+# An update's scale is taken over the entries its parameter resolves when there are at least MIN_SCALED of them,
+# or half of its nonzero entries where that is fewer (a bias, a norm's weight) (docs/choices.md, choice 46). A median
+# moves only when half its entries do: were even one resolved entry in ten moved past its round-off by chance, the
+# median of 32 would move with odds of about 1e-8 (of 8, 5e-3), while a handful (SGD's few largest entries above
+# float32's resolution) can be carried by one or two. Not a share of a large update: an embedding's rows that no
+# token of the batch reaches move by weight decay alone, below float32's resolution, and a scale over the rows the
+# batch reaches still shows a step size off by any factor.
+MIN_SCALED = 32
+
 
 @dataclass
 class Run:
@@ -188,13 +197,14 @@ def _update_scale(got: torch.Tensor, want: torch.Tensor, twin: torch.Tensor | No
     """(|scale - 1|, its tolerance, what it is) of an update against the reference's, or None if unresolved.
 
     The scale is the median ratio of the update's entries to the reference's, over the entries the
-    parameter resolves (each larger than twice its own tolerance): a step size off by any factor
-    (a learning rate divided by tp) moves it, while a few entries that round-off flips (Adam where a
-    gradient is near zero) cannot. Its tolerance: ``SAFETY`` times the larger of the twin's own scale
-    error and the median relative round-off of those entries.
+    parameter resolves (each larger than twice its own tolerance; ``MIN_SCALED`` of them, or half
+    of the nonzero entries where that is fewer, however many others the update has): a step size
+    off by any factor (a learning rate divided by tp) moves it, while a few entries that round-off
+    flips (Adam where a gradient is near zero) cannot. Its tolerance: ``SAFETY`` times the larger
+    of the twin's own scale error and the median relative round-off of those entries.
     """
     resolved = (want.abs() > 2 * tols) & (want != 0)
-    if int(resolved.sum()) < max(1, want.ne(0).sum().item() // 2):
+    if int(resolved.sum()) < max(1, min(MIN_SCALED, want.ne(0).sum().item() // 2)):
         return None
     ref = want[resolved]
     scale = float((got[resolved] / ref).median())
