@@ -1,21 +1,25 @@
-"""A typed tensor's metadata (shape, dtype, requires_grad, size(), ...) read without subclass dispatch.
+"""A typed tensor's metadata (shape, dtype, requires_grad, ...) read without subclass dispatch.
 
 torch reads every attribute of a tensor subclass that has ``__torch_function__`` through it: it
 builds the call, and the class answers; about 4 us a read on the CI machine, where a plain tensor
-answers in 0.1 to 0.5. These reads compute nothing and carry no type (the rules table's metadata
+answers in 0.1 to 0.2. These reads compute nothing and carry no type (the rules table's metadata
 rows leave them unchecked), and a training step makes hundreds of them (Megatron's layers read
-``requires_grad``, ``dtype`` and ``size()`` of every activation). So LTensor answers them itself,
-with subclass dispatch off, in about 0.8 us.
+``requires_grad`` and ``dtype`` of every activation). So LTensor answers them itself, with subclass
+dispatch off, in under 1 us.
 
-They still go through ``__torch_function__`` when that has more to do: while torch.compile traces
-or compiles (a typed tensor read there tells the compile room that a graph holds typed values),
-and under a dispatch mode (the rank simulator: a typed tensor is then also the mode's subclass).
-Setting and deleting go through it always (``t.grad = g`` is rare and its row says what it does).
+They still go through ``__torch_function__`` when that has more to do: under a dispatch mode (the
+rank simulator: a typed tensor is then also the mode's subclass) and while torch.compile compiles.
+torch.compile's tracer (dynamo) never calls these properties: it asks whether a subclass overrides
+an attribute by comparing it with ``torch.Tensor``'s own, and each property here compares equal to
+the descriptor it reads, so dynamo traces the read through ``__torch_function__`` as before (which
+tells the compile room that a graph holds typed values). Setting and deleting go through it always
+(``t.grad = g`` is rare, and its row says what it does). Methods (``size()``, ``dim()``) are not
+answered here: dynamo would see an overridden method and break its graph.
 
 Example::
 
     t = spmd.assert_type(torch.randn(4, 16), {"tp": spmd.R})   # inside typecheck()
-    t.shape, t.dtype, t.size(0)   # answered by these properties, no __torch_function__ call
+    t.shape, t.dtype, t.requires_grad   # answered by these properties, no __torch_function__ call
 """
 
 from __future__ import annotations
@@ -34,9 +38,21 @@ FAST_ATTRIBUTES = ("requires_grad", "dtype", "shape", "is_leaf", "device", "grad
 
 _DisableTF = DisableTorchFunctionSubclass
 _dispatch_depth = len_torch_dispatch_stack
-_dynamo_tracing = torch.compiler.is_dynamo_compiling
 _COMPILER = torch.compiler
-_SIZE = torch.Tensor.size
+
+
+class _FastRead(property):
+    """A property that compares equal to the ``torch.Tensor`` descriptor it reads (what dynamo checks)."""
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.__base or property.__eq__(self, other) is True
+
+    def __hash__(self) -> int:
+        return hash(self.__base)
+
+    def base(self, descriptor: Any) -> _FastRead:
+        self.__base = descriptor
+        return self
 
 
 def _fast_property(name: str) -> property:
@@ -44,7 +60,7 @@ def _fast_property(name: str) -> property:
     get = base.__get__
 
     def fget(self: torch.Tensor) -> Any:
-        if _dispatch_depth() or _dynamo_tracing() or _COMPILER._is_compiling_flag:
+        if _dispatch_depth() or _COMPILER._is_compiling_flag:
             return get(self)
         with _DisableTF():
             return get(self)
@@ -55,19 +71,10 @@ def _fast_property(name: str) -> property:
     def fdel(self: torch.Tensor) -> None:
         base.__delete__(self)
 
-    return property(fget, fset, fdel, doc=f"``Tensor.{name}``, read without subclass dispatch")
-
-
-def _size(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """``Tensor.size``, read without subclass dispatch."""
-    if _dispatch_depth() or _dynamo_tracing() or _COMPILER._is_compiling_flag:
-        return _SIZE(self, *args, **kwargs)
-    with _DisableTF():
-        return _SIZE(self, *args, **kwargs)
+    return _FastRead(fget, fset, fdel, doc=f"``Tensor.{name}``, read without subclass dispatch").base(base)
 
 
 def install_metadata_reads(cls: type) -> None:
-    """Give ``cls`` (LTensor) the fast reads of :data:`FAST_ATTRIBUTES` and ``size()``."""
+    """Give ``cls`` (LTensor) the fast reads of :data:`FAST_ATTRIBUTES`."""
     for name in FAST_ATTRIBUTES:
         setattr(cls, name, _fast_property(name))
-    cls.size = _size  # type: ignore[attr-defined]

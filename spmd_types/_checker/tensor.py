@@ -362,7 +362,12 @@ def _wrap(out: Any, types: TypeMap) -> Any:
         out._spmd_types = types
         return out
     if tp is list or tp is tuple:
-        return tp(_wrap(o, types) for o in out)
+        for o in out:  # split, chunk, unbind: plain tensors typed in place (the container stays the same)
+            if type(o) is not torch.Tensor:
+                return tp(_wrap(o, types) for o in out)
+            o.__class__ = LTensor
+            o._spmd_types = types
+        return out
     if isinstance(out, torch.Tensor):
         if tp in _TYPED_CLASSES:
             return out
