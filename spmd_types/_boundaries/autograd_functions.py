@@ -60,6 +60,7 @@ _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", 
 _DisableTF = DisableTorchFunctionSubclass
 _tf_enabled = is_torch_function_enabled
 _dispatch_depth = len_torch_dispatch_stack
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 # Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
 _FUNCTION_BASE_APPLY = FUNCTION_APPLY
 
@@ -168,6 +169,8 @@ def _plain_gradients(backward: Any) -> Any:
     fn = backward.__func__ if isinstance(backward, staticmethod) else backward
 
     def plain_backward(ctx: Any, *grads: Any) -> Any:
+        if _dynamo_tracing():  # torch.compile traces an untyped graph's Function: as written
+            return fn(ctx, *grads)
         # typed values it saved in forward come back typed: subclass dispatch off, its ops run as written
         grads = tuple(unwrap(g) if type(g) in _TYPED_CLASSES else g for g in grads)
         if _dispatch_depth():  # under the rank simulator its forward was given aliases (_run_plain)
