@@ -42,15 +42,10 @@ from .._guards.function_guard import ALLOWED, torch_transparent
 from .._local.op_registry import OpEntry
 from .._local.rules import infer
 from .._local.rules_table import Row, RuleKind
-from .._torch.private import (
-    FUNCTION_APPLY,
-    DisableTorchFunctionSubclass,
-    is_torch_function_enabled,
-    len_torch_dispatch_stack,
-)
+from .._torch.private import DisableTorchFunctionSubclass, is_torch_function_enabled
 from .compiled_functions import breaks_a_checked_trace, dynamo_disabled
 from .decomposition import decomposed_apply
-from .hook_apply import run_spmd_typecheck
+from .plain_run import UNTYPED_LEAVES, original_apply, plain, plain_gradients, plain_kw, run_plain
 
 __all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function",
            "run_eagerly_under_compile",
@@ -59,10 +54,9 @@ __all__ = ["register_autograd_function", "registration_of", "Registration", "unr
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _DisableTF = DisableTorchFunctionSubclass
 _tf_enabled = is_torch_function_enabled
-_dispatch_depth = len_torch_dispatch_stack
-_dynamo_tracing = torch.compiler.is_dynamo_compiling
-# Function's own apply, unbound: a Python classmethod on torch 2.13, a C one on torch 2.14
-_FUNCTION_BASE_APPLY = FUNCTION_APPLY
+# how the kinds registered by higher rooms apply: "spmd_typecheck" (the published hook, hook_registration.py
+# fills it with hook_apply's runner when the package is imported)
+KIND_APPLY: dict[str, Callable[..., Any]] = {}
 
 
 class Registration(NamedTuple):
@@ -152,34 +146,11 @@ def _install(cls: type, reg: Registration) -> None:
             cls.apply = classmethod(dynamo_disabled(_typed_apply))  # type: ignore[method-assign]
             backward, forward = cls.__dict__.get("backward"), cls.__dict__.get("forward")
             if backward is not None:
-                cls.backward = staticmethod(_plain_gradients(backward))  # type: ignore[attr-defined]
+                cls.backward = staticmethod(plain_gradients(backward))  # type: ignore[attr-defined]
             if forward is not None:
                 cls.forward = staticmethod(breaks_a_checked_trace(forward))  # type: ignore[attr-defined]
         _REGISTRY[cls] = reg._replace(original_apply=original, original_backward=backward, original_forward=forward)
         ALLOWED[cls] = reg.kind
-
-
-def _plain_gradients(backward: Any) -> Any:
-    """The class's hand-written backward, given plain gradients, as its forward was given plain inputs.
-
-    A gradient can reach it typed (a transparent Function's backward computes it from saved typed values,
-    typed by the forward rules, which say nothing about gradients); its own code, raw collectives
-    included, then runs as it was written.
-    """
-    fn = backward.__func__ if isinstance(backward, staticmethod) else backward
-
-    def plain_backward(ctx: Any, *grads: Any) -> Any:
-        if _dynamo_tracing():  # torch.compile traces an untyped graph's Function: as written
-            return fn(ctx, *grads)
-        # typed values it saved in forward come back typed: subclass dispatch off, its ops run as written
-        grads = tuple(unwrap(g) if type(g) in _TYPED_CLASSES else g for g in grads)
-        if _dispatch_depth():  # under the rank simulator its forward was given aliases (_run_plain)
-            return fn(ctx, *grads)
-        with _DisableTF():
-            return fn(ctx, *grads)
-
-    plain_backward.__wrapped__ = fn  # type: ignore[attr-defined]
-    return plain_backward
 
 
 def run_eagerly_under_compile() -> None:
@@ -255,54 +226,38 @@ def _registration(local, op, axis, src, dst, reduce, rule, transparent, cls=None
 # applying a registered Function
 
 
-def _original_apply(cls: type, reg: Registration | None, args: tuple, kwargs: dict) -> Any:
-    if reg is not None and reg.original_apply is not None:
-        return reg.original_apply(cls, *args, **kwargs)
-    return _FUNCTION_BASE_APPLY.__get__(None, cls)(*args, **kwargs)
-
-
 def _typed_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     reg = _REGISTRY.get(cls)
     if reg is None or not STATE.checking or reg.kind == "transparent" or not _tf_enabled():
         # (subclass dispatch off: called from a registered Function's forward or backward, which run as written)
         # A subclass of a registered class is not registered: its forward meets the guard.
-        return _original_apply(cls, reg, args, kwargs)
+        return original_apply(cls, reg.original_apply if reg is not None else None, args, kwargs)
     if reg.kind == "rule" and not kwargs:  # the common case (Megatron's Functions): one pass reads the arguments
         own, typed = _own_types(args)
         if not typed:
-            return _original_apply(cls, reg, args, kwargs)
+            return original_apply(cls, reg.original_apply, args, kwargs)
         out_types = _rule_types(cls, reg, args, own)
         _refuse_global(cls)
-        return _type_outputs(cls, _run_plain(cls, reg, args, kwargs), out_types)
+        return _type_outputs(cls, run_plain(cls, reg.original_apply, args, kwargs), out_types)
     if not _any_typed(args, kwargs):
-        return _original_apply(cls, reg, args, kwargs)
+        return original_apply(cls, reg.original_apply, args, kwargs)
     if reg.kind == "op":
         return _apply_as_op(cls, reg, args, kwargs)
     if reg.kind == "typecheck_forward":
         return _apply_typecheck_forward(cls, reg, args, kwargs)
     if reg.kind == "spmd_typecheck":  # the published hook: the real apply on plain aliases, then the hook types it
-        return run_spmd_typecheck(cls, lambda: _original_apply(cls, reg, _plain(args), {}), args, kwargs)
+        return KIND_APPLY["spmd_typecheck"](cls, lambda: original_apply(cls, reg.original_apply, plain(args), {}),
+                                            args, kwargs)
     if reg.kind == "decomposition":
-        return decomposed_apply(cls, reg.rule, lambda a, k: _original_apply(cls, reg, _plain(a), _plain_kw(k)),
+        return decomposed_apply(cls, reg.rule, lambda a, k: original_apply(cls, reg.original_apply, plain(a),
+                                                                           plain_kw(k)),
                                 args, kwargs)
     if reg.kind == "rule":
         out_types = _rule_types(cls, reg, args)
     else:
         out_types = _local_types(cls, args, kwargs)
     _refuse_global(cls)
-    return _type_outputs(cls, _run_plain(cls, reg, args, kwargs), out_types)
-
-
-def _run_plain(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
-    """The original ``apply`` on the typed inputs seen as plain tensors: subclass dispatch off.
-
-    Under a dispatch mode (the rank simulator) a typed tensor is also a tensor subclass that the mode
-    dispatches on, so the Function gets plain aliases of its inputs instead.
-    """
-    if _dispatch_depth():
-        return _original_apply(cls, reg, _plain(args), _plain_kw(kwargs))
-    with _DisableTF():
-        return _original_apply(cls, reg, args, kwargs)
+    return _type_outputs(cls, run_plain(cls, reg.original_apply, args, kwargs), out_types)
 
 
 class _Inside(threading.local):
@@ -319,16 +274,12 @@ def _apply_typecheck_forward(cls: type, reg: Registration, args: tuple, kwargs: 
     the outputs come back untyped and ``typecheck_forward``'s asserts type them.
     """
     if cls in _INSIDE.classes:
-        return _original_apply(cls, reg, _plain(args), _plain_kw(kwargs))
+        return original_apply(cls, reg.original_apply, plain(args), plain_kw(kwargs))
     _INSIDE.classes = _INSIDE.classes + (cls,)
     try:
         return cls.typecheck_forward(*args, **kwargs)
     finally:
         _INSIDE.classes = _INSIDE.classes[:-1]
-
-
-def _plain_kw(kwargs: Mapping[str, Any]) -> dict:
-    return {k: _plain(v) for k, v in kwargs.items()}
 
 
 def register_local_autograd_function(cls: type) -> type:
@@ -390,7 +341,7 @@ def _typed(a: Any) -> bool:
     tp = type(a)
     if tp in _TYPED_CLASSES:
         return True
-    if tp in _UNTYPED_LEAVES:  # the arguments a Function mostly gets: answered without a lookup
+    if tp in UNTYPED_LEAVES:  # the arguments a Function mostly gets: answered without a lookup
         return False
     if isinstance(a, torch.Tensor):
         return getattr(a, "_spmd_types", None) is not None
@@ -399,25 +350,6 @@ def _typed(a: Any) -> bool:
             if _typed(x):
                 return True
     return False
-
-
-def _plain(a: Any) -> Any:
-    """A plain alias of a typed tensor (autograd still reaches the original); lists and tuples element-wise."""
-    tp = type(a)
-    if tp in _UNTYPED_LEAVES:
-        return a
-    if tp in _TYPED_CLASSES:
-        return unwrap(a)
-    if isinstance(a, torch.Tensor):
-        return unwrap(a) if getattr(a, "_spmd_types", None) is not None else a
-    if tp is list or tp is tuple:
-        return tp([_plain(x) for x in a])
-    return a
-
-
-# Argument classes that are never typed and hold nothing typed (plain tensors, flags, groups, sizes).
-_UNTYPED_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype,
-                             torch.device})
 
 
 def _apply_as_op(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any:
@@ -440,7 +372,7 @@ def _apply_as_op(cls: type, reg: Registration, args: tuple, kwargs: dict) -> Any
     x = args[index]
     begun = begin(reg.op, x, axis, reg.src, reg.dst, reg.reduce)
     plain_args = args[:index] + (unwrap(x),) + args[index + 1:]
-    out = _original_apply(cls, reg, plain_args, kwargs)
+    out = original_apply(cls, reg.original_apply, plain_args, kwargs)
     if isinstance(out, torch.Tensor):
         return type_result(begun, x, out)
     if isinstance(out, (tuple, list)):
@@ -480,7 +412,7 @@ def _own_types(args: tuple) -> tuple[tuple, bool]:
         elif isinstance(a, torch.Tensor):
             found = getattr(a, "_spmd_types", None)
             out.append(found)
-            typed = typed or (found is not None and tp not in _UNTYPED_LEAVES)
+            typed = typed or (found is not None and tp not in UNTYPED_LEAVES)
         elif tp is list and all(type(x) is int for x in a):
             out.append((_LIST, tuple(a)))  # split sizes: by value, told apart from a tuple
         else:

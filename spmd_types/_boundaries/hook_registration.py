@@ -20,7 +20,10 @@ from typing import Any
 import torch
 
 from .._checker.asserts import ON_FIRST_TYPECHECK
-from .autograd_functions import register_autograd_function, registration_of
+from .autograd_functions import KIND_APPLY, register_autograd_function, registration_of
+from .hook_apply import run_spmd_typecheck
+
+KIND_APPLY["spmd_typecheck"] = run_spmd_typecheck  # a hooked class's apply: the real apply, then its hook
 
 __all__ = ["register_hooked_functions", "install", "HOOKS"]
 

@@ -380,10 +380,6 @@ def _wrap(out: Any, types: TypeMap) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# the slow path: inference on a cache miss
-
-
-# ---------------------------------------------------------------------------
 # outside typecheck: a checkpoint keeps its types, and loading one checks them
 
 
@@ -437,6 +433,7 @@ _KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping
                    torch.Tensor.copy_: _copy_checking_type}
 
 
+# the slow path: inference on a cache miss
 def _infer_or_raise(func, args, kwargs, key=None) -> TypeMap | None:
     for a in (*args, *kwargs.values()):  # a transform's wrapped tensor meets a typed one (never cached)
         if _marker(a) is _TRANSFORMED:

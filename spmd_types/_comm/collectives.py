@@ -45,19 +45,9 @@ from .erased import erased, remember_erased
 from .kernels import keeps_shards
 from .redistribute_spec import redistribute_spec
 from .reinterpret_convert import convert
-from .stacking import check_one_per_rank, stacked_input, uneven_splits
+from .stacking import check_one_per_rank, stacked_input, uneven_splits, varying_dim
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "redistribute"]
-
-
-def _varying_dim(opname: str, what: str, t: SpmdType, given: int | None, given_name: str, ndim: int) -> int | None:
-    """The tensor dim a V/S(d) side lives on: S(d)'s d, else ``given`` (None: stacked on a new dim 0)."""
-    if t is V:
-        return None if given is None else norm_dim(opname, f"{given_name}={given}", given, ndim)
-    dim = norm_dim(opname, f"{what}={t}", t.dim, ndim)
-    if given is not None and norm_dim(opname, f"{given_name}={given}", given, ndim) != dim:
-        raise ValueError(f"{opname}: {what}={t} already says dim {t.dim}; {given_name}={given} disagrees with it")
-    return dim
 
 
 def _check_split(
@@ -356,7 +346,7 @@ def all_gather(
     if stacks:
         x, dim = stacked_input(begun.opname, x, gather_dim)  # type: ignore[arg-type]
     else:
-        dim = _varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
+        dim = varying_dim(begun.opname, "src", begun.src, gather_dim, "gather_dim", x.dim())
     if sizes is not None:
         check_local_size(begun.opname, x, dim, sizes, comm)  # type: ignore[arg-type]
     dtypes = for_call(begun, "all_gather", x, op_dtype, out_dtype, backward_options)
@@ -416,7 +406,7 @@ def reduce_scatter(
         dtypes = for_call(begun, "reduce_scatter", x, op_dtype, out_dtype, backward_options)
         call = Call("reduce_scatter", begun.src, begun.dst, comm, dim=d, reduce=op, dtypes=dtypes)
         return finish(begun, call, x).squeeze(d)
-    dim = _varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
+    dim = varying_dim(opname, "dst", begun.dst, scatter_dim, "scatter_dim", x.dim())
     if dim is None:
         if sizes is not None:
             raise ValueError(f"{opname}: sizes= needs a scatter dim (dst=S(d) or scatter_dim=); dst=V indexes dim 0")
@@ -492,11 +482,11 @@ def all_to_all(
                     dtypes=for_call(begun, "all_to_all", x, op_dtype, out_dtype, backward_options))
         return finish(begun, call, x).movedim(s, c)
     if (begun.src is V) != (begun.dst is V):  # one S(d) side: it names the dim split (src) or joined (dst)
-        split = _varying_dim(opname, "src", begun.src, split_dim, "split_dim", ndim)
-        concat = _varying_dim(opname, "dst", begun.dst, concat_dim, "concat_dim", ndim)
+        split = varying_dim(opname, "src", begun.src, split_dim, "split_dim", ndim)
+        concat = varying_dim(opname, "dst", begun.dst, concat_dim, "concat_dim", ndim)
     else:  # S(i) -> S(j): shards of dim i become shards of dim j (concat i, split j)
-        concat = _varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
-        split = _varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
+        concat = varying_dim(opname, "src", begun.src, concat_dim, "concat_dim", ndim)
+        split = varying_dim(opname, "dst", begun.dst, split_dim, "split_dim", ndim)
     concat, split = 0 if concat is None else concat, 0 if split is None else split  # a V side: dim 0 by default
     splits = uneven_splits(begun, x, input_split_sizes, output_split_sizes, split, concat)
     if splits is None and not keeps_shards(begun.src, begun.dst):

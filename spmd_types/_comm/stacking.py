@@ -16,9 +16,10 @@ from typing import Any, Sequence
 
 import torch
 
+from .._core.types import SpmdType, V
 from .call import Begun, norm_dim
 
-__all__ = ["stacked_input", "check_one_per_rank", "uneven_splits"]
+__all__ = ["stacked_input", "check_one_per_rank", "uneven_splits", "varying_dim"]
 
 
 def stacked_input(opname: str, x: torch.Tensor, gather_dim: int) -> tuple[torch.Tensor, int]:
@@ -67,3 +68,13 @@ def uneven_splits(begun: Begun, x: torch.Tensor, inputs: Any, outputs: Any, spli
         raise ValueError(f"{opname}: input_split_sizes={list(found[0])} add up to {total}, but dim 0 has "
                          f"size {x.shape[0]}")
     return found[0], found[1]
+
+
+def varying_dim(opname: str, what: str, t: SpmdType, given: int | None, given_name: str, ndim: int) -> int | None:
+    """The tensor dim a V/S(d) side lives on: S(d)'s d, else ``given`` (None: stacked on a new dim 0)."""
+    if t is V:
+        return None if given is None else norm_dim(opname, f"{given_name}={given}", given, ndim)
+    dim = norm_dim(opname, f"{what}={t}", t.dim, ndim)
+    if given is not None and norm_dim(opname, f"{given_name}={given}", given, ndim) != dim:
+        raise ValueError(f"{opname}: {what}={t} already says dim {t.dim}; {given_name}={given} disagrees with it")
+    return dim
