@@ -34,7 +34,9 @@ def bare(t: Any, types: Any, partition_spec: Any = None) -> Any:
 
 def _loops(mesh_types: dict, pg_types: dict, spec: Any) -> dict[str, Callable[[int], None]]:
     """{variant: run(n)}: n calls in a loop; same loop shape for every variant."""
-    w = torch.randn(4, 4)
+    # each variant asserts its own tensor, as a model does (a tensor re-asserted with another type dict joins the
+    # two records: its own row)
+    w, w_pg, w_spec, w_join = (torch.randn(4, 4) for _ in range(4))
     assert_type, empty = spmd.assert_type, torch.empty
 
     def bare_same(n: int) -> None:
@@ -47,11 +49,16 @@ def _loops(mesh_types: dict, pg_types: dict, spec: Any) -> dict[str, Callable[[i
 
     def erased_pg(n: int) -> None:
         for _ in range(n):
-            assert_type(w, pg_types)
+            assert_type(w_pg, pg_types)
 
     def erased_spec(n: int) -> None:
         for _ in range(n):
-            assert_type(w, mesh_types, spec)
+            assert_type(w_spec, mesh_types, partition_spec=spec)
+
+    def erased_join(n: int) -> None:
+        for _ in range(n // 2):
+            assert_type(w_join, mesh_types)
+            assert_type(w_join, pg_types)
 
     def bare_fresh(n: int) -> None:
         for _ in range(n):
@@ -66,6 +73,7 @@ def _loops(mesh_types: dict, pg_types: dict, spec: Any) -> dict[str, Callable[[i
         "assert_type": erased_same,
         "assert_type, keyed by ProcessGroup": erased_pg,
         "assert_type, with partition_spec": erased_spec,
+        "assert_type, two type dicts in turn": erased_join,
         "bare call, fresh tensor": bare_fresh,
         "assert_type, fresh tensor": erased_fresh,
     }

@@ -39,6 +39,8 @@ _PRIVATE_STRING = re.compile(r"_local_tensors?|" + "|".join(_FIELDS))
 EXCEPTIONS = {
     ("_checker/latent.py", "._default_pg"): "the erased assert_type records the world's default group per call",
     ("_checker/asserts.py", "._default_pg"): "assert_type's erased path, latent.remember inline (one frame per call)",
+    ("_checker/asserts.py", "._is_compiling_flag"): "assert_type's erased path reads torch.compiler's flag, as "
+                                                    "torch.compiler.is_compiling() does, without its call",
     ("_checker/tensor.py", "._is_compiling_flag"): "every typed op's __torch_function__ reads torch.compiler's flag "
                                                    "(a module attribute that changes: no alias can hold it)",
     ("_checker/metadata_reads.py", "._is_compiling_flag"): "every metadata read of a typed tensor (shape, dtype, "

@@ -20,7 +20,7 @@ from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes, set_current_
 from .._core.phantom import COVERAGE, NdimWithSpmdType, assert_phantom, touch
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
 from .._core.state import STATE
-from .._core.traced import compiling, register_call, routed, traced_call, zero
+from .._core.traced import register_call, routed, traced_call, zero
 from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._core.whole_type import type_args
 from .._guards.function_guard import WATCHED, check_apply_outputs, forget_last_caller
@@ -46,6 +46,8 @@ __all__ = ["typecheck", "assert_type", "get_type", "is_checking", "get_axis_loca
 
 T = TypeVar("T")
 _weak = weakref.ref
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+_COMPILER = torch.compiler
 TypeSpec = Mapping[Axis, SpmdType]
 
 
@@ -306,13 +308,18 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
             return t
         types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
     if not STATE.checking:  # erased: recorded for a later typecheck(), t stays plain (latent.py)
-        if type(t) in _PLAIN and not compiling() and (type(types) is not dict or id(t) not in RECORDS):
+        if type(t) in _PLAIN and not (_dynamo_tracing() or _COMPILER._is_compiling_flag):  # compiling(), inline
             stack = _MESHES.stack  # latent.remember's common case, inline: an erased call is one Python frame
-            RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
-                              None if C10D_WORLD is None else C10D_WORLD._default_pg)
-            if len(RECORDS) >= latent.prune_at:
-                latent.prune()
-            return t
+            entry = RECORDS.get(id(t))
+            if entry is None or type(types) is not dict or entry[0]() is not t:  # none yet (or a dead tensor's)
+                RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
+                                  None if C10D_WORLD is None else C10D_WORLD._default_pg)
+                if len(RECORDS) >= latent.prune_at:
+                    latent.prune()
+                return t
+            if (entry[1] is types and entry[2] is partition_spec and entry[3] is (stack[-1] if stack else None)
+                    and entry[4] is (None if C10D_WORLD is None else C10D_WORLD._default_pg)):
+                return t  # asserted again as recorded (a parameter every step): the record already says it
         if routed():
             return t  # the erased program traced by torch.compile: nothing to remember in a graph
         if type(types) is dict and remembered(t) is not None:  # asserted again: the new axes join the record
@@ -381,7 +388,13 @@ def _joined_record(record: tuple, types: dict, partition_spec: Any) -> tuple[Any
     old_types, old_spec = record[0], record[1]
     if type(old_types) is not dict:
         return types, partition_spec
+    if (partition_spec is None or partition_spec is old_spec) and all(old_types.get(a, _NONE) is t
+                                                                      for a, t in types.items()):
+        return old_types, old_spec  # nothing new: the record's own objects (the next such assert is one lookup)
     return {**old_types, **types}, partition_spec if partition_spec is not None else old_spec
+
+
+_NONE = object()
 
 
 def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:
