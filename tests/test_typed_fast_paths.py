@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -26,6 +27,16 @@ from spmd_types._guards import function_guard
 from spmd_types.testing import simulate
 
 I, P, R, S, V = spmd.I, spmd.P, spmd.R, spmd.S, spmd.V
+
+
+@contextlib.contextmanager
+def _registered(cls: type, **claim):
+    """``cls`` registered with ``claim`` for the block, unregistered after it."""
+    spmd.register_autograd_function(cls, **claim)
+    try:
+        yield cls
+    finally:
+        spmd.unregister_autograd_function(cls)
 
 
 @pytest.fixture
@@ -133,15 +144,12 @@ def test_guard_reuses_its_answer_within_one_running_frame(tp4, monkeypatch):
         def backward(ctx, g):
             return g
 
-    spmd.register_autograd_function(Three, transparent=True)
-    try:
+    with _registered(Three, transparent=True):
         with spmd.set_current_mesh(tp4), spmd.typecheck():
             x = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": V})
             assert spmd.get_type(Three.apply(x)) == {"tp": V}
             assert function_guard._LAST.frame is not None
         assert function_guard._LAST.frame is None  # dropped with typecheck()
-    finally:
-        spmd.unregister_autograd_function(Three)
     assert len(searches) == 1
 
 
@@ -165,15 +173,12 @@ def test_guard_still_refuses_a_transparent_function_inside_an_unregistered_one(t
         def backward(ctx, g):
             return g
 
-    spmd.register_autograd_function(Inner, transparent=True)
-    try:
+    with _registered(Inner, transparent=True):
         with spmd.set_current_mesh(tp4), spmd.typecheck():
             x = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": V})
             with pytest.raises(spmd.SpmdTypeError, match="The custom autograd Function Outer is applied to typed"):
                 Inner.apply(x)  # the guard's answer for this frame: no Function forward on the stack
                 Outer.apply(x)
-    finally:
-        spmd.unregister_autograd_function(Inner)
 
 
 def test_guard_searches_a_generator_frame_every_time(tp4):
@@ -201,15 +206,12 @@ def test_guard_searches_a_generator_frame_every_time(tp4):
         def backward(ctx, g):
             return None
 
-    spmd.register_autograd_function(Allowed, transparent=True)
-    try:
+    with _registered(Allowed, transparent=True):
         with spmd.set_current_mesh(tp4), spmd.typecheck():
             gen = ops(spmd.assert_type(torch.randn(4), {"tp": V}))
             assert spmd.get_type(Allowed.apply(gen)) == {"tp": V}
             with pytest.raises(spmd.SpmdTypeError, match="The custom autograd Function Unregistered is applied"):
                 Unregistered.apply(gen)
-    finally:
-        spmd.unregister_autograd_function(Allowed)
 
 
 # ---------------------------------------------------------------------------
@@ -235,8 +237,7 @@ def test_registered_function_sees_plain_tensors_forward_and_backward(tp4):
     def rule(x, w):
         return x
 
-    spmd.register_autograd_function(Scale, rule=rule)
-    try:
+    with _registered(Scale, rule=rule):
         x0, w0 = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
         (x0 * w0).sum().backward()
         x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
@@ -246,8 +247,6 @@ def test_registered_function_sees_plain_tensors_forward_and_backward(tp4):
             out = Scale.apply(xt, wt)
             assert spmd.get_type(out) == {"tp": V}
             out.sum().backward()
-    finally:
-        spmd.unregister_autograd_function(Scale)
     typed = type(xt)
     assert seen["forward"] == (typed, typed)  # the typed objects themselves, seen as plain by their ops
     assert seen["backward"] == (torch.Tensor, torch.Tensor, torch.Tensor)  # every op in backward ran plain
@@ -264,11 +263,8 @@ def test_registered_identity_forward_output_is_a_new_typed_tensor(tp4):
         def backward(ctx, g):
             return g * 4  # an all-reduce over tp's 4 ranks, on a fake group
 
-    spmd.register_autograd_function(Copy, op="reinterpret", axis="tp", src=I, dst=R)
-    try:
+    with _registered(Copy, op="reinterpret", axis="tp", src=I, dst=R):
         with spmd.set_current_mesh(tp4), spmd.typecheck():
             x = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
             y = Copy.apply(x)
             assert y is not x and spmd.get_type(x) == {"tp": I} and spmd.get_type(y) == {"tp": R}
-    finally:
-        spmd.unregister_autograd_function(Copy)

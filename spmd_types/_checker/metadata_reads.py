@@ -45,7 +45,7 @@ class _FastRead(property):
     """A property that compares equal to the ``torch.Tensor`` descriptor it reads (what dynamo checks)."""
 
     def __eq__(self, other: object) -> bool:
-        return other is self.__base or property.__eq__(self, other) is True
+        return other is self or other is self.__base
 
     def __hash__(self) -> int:
         return hash(self.__base)
