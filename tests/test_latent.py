@@ -118,3 +118,40 @@ def test_assert_type_records_as_remember_does(mesh_dp_tp):
     ra, rb = latent.remembered(a), latent.remembered(b)
     assert ra == rb and ra[0] is types and ra[1] is spec and ra[2] is not None
     assert ra[3] is dist.distributed_c10d._get_default_group()  # the world read without its property's call
+
+
+def test_until_a_thread_checks_the_erased_assert_reads_a_global_and_checking_turns_it_off(mesh_dp_tp, monkeypatch):
+    """The erased assert_type reads ``state.never_checked`` instead of the per-thread flag: every way checking
+    turns on (typecheck(), the DTensor bridge's per-op checking) clears it first, so an assert under checking
+    types its tensor even in a process that had never checked."""
+    from spmd_types._core import state
+    from spmd_types.integrations.dtensor.bridge import checked_local
+
+    for turn_on in (lambda: spmd.typecheck(), lambda: checked_local(mesh_dp_tp)):
+        monkeypatch.setattr(state, "never_checked", True)
+        x = torch.randn(4)
+        with spmd.set_current_mesh(mesh_dp_tp):
+            spmd.assert_type(x, {"dp": R, "tp": R})
+            assert type(x) is torch.Tensor and latent.remembered(x) is not None  # erased: recorded
+            with turn_on():
+                assert state.never_checked is False
+                y = torch.randn(4)
+                spmd.assert_type(y, {"dp": R, "tp": V})
+                assert spmd.get_type(y) == {"dp": R, "tp": V} and latent.remembered(y) is None  # typed, not recorded
+
+
+def test_only_the_known_places_turn_checking_on():
+    """A new place that sets STATE.checking to True must call checking_turned_on() first (the test above shows
+    what goes wrong otherwise): this lists every assignment of True in the package."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(spmd.__file__).parent
+    found = set()
+    for path in root.rglob("*.py"):
+        for line in path.read_text().splitlines():
+            m = re.match(r"\s*(STATE\.checking\b[^=]*)=\s*([^=].*)$", line)
+            if m and m.group(2).split(",")[0].strip() == "True":
+                found.add(str(path.relative_to(root)))
+    # asserts.py and bridge.py call checking_turned_on(); no_typecheck.py restores True inside a checked call
+    assert found == {"_checker/asserts.py", "integrations/dtensor/bridge.py", "_boundaries/no_typecheck.py"}, found

@@ -19,7 +19,8 @@ from .._core.implicit_mesh import mesh_of_keys, mesh_of_space
 from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes, set_current_mesh
 from .._core.phantom import COVERAGE, NdimWithSpmdType, assert_phantom, touch
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
-from .._core.state import STATE
+from .._core import state as _state
+from .._core.state import STATE, checking_turned_on
 from .._core.traced import register_call, routed, traced_call, zero
 from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
 from .._core.whole_type import type_args
@@ -118,6 +119,7 @@ def typecheck(strict_mode: str | None = None, local: LocalSpec | None = None, *,
     if not STATE.checking:  # the outermost typecheck(): what must happen before the first checked op
         for prepare in ON_FIRST_TYPECHECK:
             prepare()
+    checking_turned_on()
     STATE.checking, STATE.strict = True, strict
     STATE.global_mode, STATE.local_axes = global_mode, local_axes
     load_if_imported()  # DTensor's registrations (DTensor.from_local of a typed tensor) before the first op
@@ -299,6 +301,30 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
     t = tensor
+    if type(types) is dict and (_state.never_checked or not STATE.checking) and type(t) in _PLAIN and not (
+            more or published or _dynamo_tracing() or _COMPILER._is_compiling_flag):  # compiling(), inline
+        # erased, the common case: recorded for a later typecheck(), t stays plain (latent.remember, inline: an
+        # erased call is one Python frame)
+        entry = RECORDS.get(id(t))
+        if entry is None or entry[0]() is not t:  # none yet, or a dead tensor's under a reused id
+            stack = _MESHES.stack
+            RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
+                              None if C10D_WORLD is None else C10D_WORLD._default_pg)
+            if entry is None and len(RECORDS) >= latent.prune_at:  # (a replaced entry leaves the size as it was)
+                latent.prune()
+            return t
+        stack = _MESHES.stack
+        if (entry[1] is types and entry[2] is partition_spec and entry[3] is (stack[-1] if stack else None)
+                and entry[4] is (None if C10D_WORLD is None else C10D_WORLD._default_pg)):
+            return t  # asserted again as recorded (a parameter every step): the record already says it
+        types, partition_spec = _joined_record(entry[1:], types, partition_spec)  # the new axes join the record
+        return remember(t, types, partition_spec)
+    return _assert_type(t, types, more, partition_spec, published)
+
+
+def _assert_type(t: Any, types: Any, more: tuple, partition_spec: Any, published: dict) -> Any:
+    """:func:`assert_type` past its erased common case (kept apart: a function with closures pays for its cells on
+    every call, and the erased call is the one a process that never checks makes)."""
     if published:  # the published 0.2.3 keyword, assert_type(tensor=x, type={...})
         types = _published_type(types, published)
     if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
@@ -307,19 +333,7 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
                 traced_call("assert_type", t, types, *more, partition_spec=partition_spec)
             return t
         types, partition_spec = _joined(types, more, partition_spec)  # in parts, a whole SpmdType (merge_types)
-    if not STATE.checking:  # erased: recorded for a later typecheck(), t stays plain (latent.py)
-        if type(t) in _PLAIN and not (_dynamo_tracing() or _COMPILER._is_compiling_flag):  # compiling(), inline
-            stack = _MESHES.stack  # latent.remember's common case, inline: an erased call is one Python frame
-            entry = RECORDS.get(id(t))
-            if entry is None or type(types) is not dict or entry[0]() is not t:  # none yet (or a dead tensor's)
-                RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
-                                  None if C10D_WORLD is None else C10D_WORLD._default_pg)
-                if len(RECORDS) >= latent.prune_at:
-                    latent.prune()
-                return t
-            if (entry[1] is types and entry[2] is partition_spec and entry[3] is (stack[-1] if stack else None)
-                    and entry[4] is (None if C10D_WORLD is None else C10D_WORLD._default_pg)):
-                return t  # asserted again as recorded (a parameter every step): the record already says it
+    if not STATE.checking:  # erased, the other cases: recorded for a later typecheck() (latent.py)
         if routed():
             return t  # the erased program traced by torch.compile: nothing to remember in a graph
         if type(types) is dict and remembered(t) is not None:  # asserted again: the new axes join the record

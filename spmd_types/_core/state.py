@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["STATE", "is_type_checking", "TYPE_CHECKING", "BY_GRADIENT", "BY_MESH", "BY_GRADIENT_AND_MESH",
+__all__ = ["STATE", "checking_turned_on", "is_type_checking", "TYPE_CHECKING", "BY_GRADIENT", "BY_MESH", "BY_GRADIENT_AND_MESH",
            "mark_uncacheable"]
 
 
@@ -29,6 +29,18 @@ class _CheckState(threading.local):
 
 
 STATE = _CheckState()
+# True until a thread first turns checking on; until then no thread checks, and the erased assert_type (the call a
+# process that never checks makes, up to a hundred times a step) reads this module global, not the per-thread flag
+# (a thread-local read costs it about 50 ns). Whatever sets STATE.checking to True calls checking_turned_on() first.
+never_checked = True
+
+
+def checking_turned_on() -> None:
+    """Note that some thread checks from now on (the erased assert_type reads ``STATE.checking`` since)."""
+    global never_checked
+    never_checked = False
+
+
 BY_GRADIENT = "by gradient"  # STATE.uncacheable: the answer also read which operands carry a gradient
 BY_MESH = "by mesh"  # STATE.uncacheable: the answer also read the current mesh (operands moved onto it)
 BY_GRADIENT_AND_MESH = "by gradient and mesh"  # both of the above

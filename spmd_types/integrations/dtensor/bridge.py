@@ -25,7 +25,7 @@ from ..._comm.impl import AxisComm, keep_on_first
 from ..._core.async_tensor import settled
 from ..._core.errors import Rejection, SpmdTypeError, op_error, user_source_line
 from ..._core.mesh import current_mesh, set_current_mesh
-from ..._core.state import STATE
+from ..._core.state import STATE, checking_turned_on
 from ..._core.types import SpmdType, TypeMap, V, compatible, shard_in_range
 from ..._guards.function_guard import ALLOWED
 from ..._local.transitions import route_call
@@ -297,6 +297,7 @@ def _axis_name(mesh: Any, axis: Any, what: str) -> str:
 def checked_local(mesh: Any) -> Iterator[None]:
     """Local SPMD checking on ``mesh`` (the DTensor's) for the duration of one op."""
     saved = (STATE.checking, STATE.global_mode, STATE.local_axes)
+    checking_turned_on()
     STATE.checking, STATE.global_mode, STATE.local_axes = True, False, frozenset()
     try:
         if current_mesh() is not None and current_mesh().device_mesh is mesh:
