@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar, Union
 
 import torch
 
+from .._core import state as _state
 from .._core.async_tensor import settled
 from .._core.dtensor_hook import interop, is_dtensor, load_if_imported
 from .._core.errors import Rejection, SpmdTypeError, op_error
@@ -19,7 +20,6 @@ from .._core.implicit_mesh import mesh_of_keys, mesh_of_space
 from .._core.mesh import _MESHES, Axis, current_mesh, resolve_axes, set_current_mesh
 from .._core.phantom import COVERAGE, NdimWithSpmdType, assert_phantom, touch
 from .._core.spec import Spec, axes_of, check_placement, check_unique, normalize, spec_from_shards, to_partition_spec
-from .._core import state as _state
 from .._core.state import STATE, checking_turned_on
 from .._core.traced import register_call, routed, traced_call, zero
 from .._core.types import AxisType, P, R, Shard, SpmdType, TypeMap, V, check_type_value, compatible
