@@ -49,7 +49,7 @@ from .plain_run import UNTYPED_LEAVES, original_apply, plain, plain_gradients, p
 
 __all__ = ["register_autograd_function", "registration_of", "Registration", "unregister_autograd_function",
            "run_eagerly_under_compile",
-           "register_local_autograd_function", "register_decomposition", "pure_rule"]
+           "register_local_autograd_function", "register_decomposition", "pure_rule", "rule_reads"]
 
 _OPS = ("reinterpret", "convert", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _DisableTF = DisableTorchFunctionSubclass
@@ -442,6 +442,19 @@ def pure_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
     return rule
 
 
+def rule_reads(summary: Callable[[tuple, tuple], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark what a :func:`pure_rule` reads of its arguments: ``summary(own, args)`` (``own``: each argument's own
+    types, or the argument) is hashable and stands for all of it, so calls that differ only in what the rule
+    does not read share one remembered answer (an all-to-all's split sizes change with every step's routing;
+    its rule reads their count and total). The summary must cover everything the rule reads but the shapes
+    and the current mesh, which the key holds anyway."""
+    def mark(rule: Callable[..., Any]) -> Callable[..., Any]:
+        rule.__spmd_rule_reads__ = summary  # type: ignore[attr-defined]
+        return rule
+
+    return mark
+
+
 # (class, rule, argument types and values, mesh token) -> output types, for rules marked pure_rule
 _RULE_RESULTS: dict[tuple, Any] = {}
 
@@ -457,7 +470,9 @@ def _rule_types(cls: type, reg: Registration, args: tuple, own: tuple | None = N
         mesh = current_mesh()
         # Keyed by the arguments' own types: the types the rule reads (presented on the current mesh) are a
         # function of them and of the mesh, which its token stands for; presenting them waits for a miss.
-        key = (cls, reg.rule, _own_types(args)[0] if own is None else own, shapes, None if mesh is None else mesh.token)
+        own = _own_types(args)[0] if own is None else own
+        reads = getattr(reg.rule, "__spmd_rule_reads__", None)
+        key = (cls, reg.rule, own if reads is None else reads(own, args), shapes, None if mesh is None else mesh.token)
         try:
             found = _RULE_RESULTS.get(key, _NOT_FOUND)
         except TypeError:  # an unhashable argument (a list of split sizes): asked every time

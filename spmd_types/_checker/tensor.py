@@ -450,10 +450,10 @@ def _infer_or_raise(func, args, kwargs, key=None) -> TypeMap | None:
             _type_plain_destination(dest, known)
             return known
     result = infer(entry, args, kwargs, STATE.strict)
-    zeros = cacheable = False
+    zeros, read = False, True
     if entry.row.zero_buffer is not None and (isinstance(result, Rejection) or (
             result is not None and isinstance(dest, torch.Tensor) and getattr(dest, "_spmd_types", None) is None)):
-        result, zeros, cacheable = into_zeros(entry, args, kwargs, dest, result)
+        result, zeros, read = into_zeros(entry, args, kwargs, dest, result)
     if isinstance(result, Rejection):
         found = unsynced_grad(args, kwargs)  # a forgotten gradient sync: name the parameter
         if found is not None:
@@ -463,8 +463,8 @@ def _infer_or_raise(func, args, kwargs, key=None) -> TypeMap | None:
         if zeros and args and dest is args[0]:
             _type_plain_destination(dest, result)
         _check_destination(entry, dest, result)
-    if cacheable and key is not None:
-        remember(key, result)
+    if zeros and read is not True and key is not None:
+        remember(key, result, read, args, kwargs)
     return result
 
 

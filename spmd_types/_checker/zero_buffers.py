@@ -7,8 +7,10 @@ is P for a P ``x``. Torch's plain factories are not seen by the checker, so
 "zeros" is known by reading the buffer (one reduction, a host sync on an
 accelerator), and only where the ordinary rule refuses, or would write a
 typed result into a plain buffer. The type the relaxed rule gives is kept per
-call signature (the result cache's key), so a call seen before costs the
-buffer checks and no inference; the buffer itself is checked on every call.
+call signature (the result cache's key, extended as the result cache extends
+it when the answer also read the operands' gradient bits or the current mesh:
+``result_keys.py``), so a call seen before costs the buffer checks and no
+inference; the buffer itself is checked on every call.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from .._core.types import TypeMap
 from .._local.op_registry import OpEntry
 from .._local.rules import backward_possible, infer
 from .._torch.private import DisableTorchFunctionSubclass, storage_holders
+from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import holds_only_zeros
 
 __all__ = ["known_into_zeros", "into_zeros", "remember", "KNOWN", "storage_shared"]
 
 _DisableTF = DisableTorchFunctionSubclass
 
-# non-strict, strict: the result cache's key -> the type a qualifying buffer of zeros gave that call
+# non-strict, strict: the result cache's key -> the type a qualifying buffer of zeros gave that call (or a Keyed
+# marker: the type is under the key extended by what the answer also read)
 KNOWN: tuple[dict, dict] = ({}, {})
 
 
@@ -67,7 +71,12 @@ def storage_shared(t: torch.Tensor) -> bool:
 
 def known_into_zeros(entry: OpEntry, args, kwargs, dest: Any, key: Any) -> TypeMap | None:
     """The type this call's signature got into zeros before, if its buffer qualifies again; else None."""
-    types = KNOWN[STATE.strict].get(key) if key is not None else None
+    if key is None:
+        return None
+    known = KNOWN[STATE.strict]
+    types = known.get(key)
+    if type(types) is Keyed:
+        types = known.get(more_key(types, key, args, kwargs))
     if types is None or not _qualifies(_buffer(entry, args, kwargs), dest):
         return None
     STATE.uncacheable = True  # the answer depends on the buffer's values: not for the result cache
@@ -75,22 +84,30 @@ def known_into_zeros(entry: OpEntry, args, kwargs, dest: Any, key: Any) -> TypeM
 
 
 def into_zeros(entry: OpEntry, args, kwargs, dest: Any,
-               result: TypeMap | Rejection) -> tuple[TypeMap | Rejection, bool, bool]:
-    """``(type, relaxed, cacheable)``: the ordinary rule's ``result``, or the relaxed rule's if the buffer qualifies.
+               result: TypeMap | Rejection) -> tuple[TypeMap | Rejection, bool, bool | str]:
+    """``(type, relaxed, read)``: the ordinary rule's ``result``, or the relaxed rule's if the buffer qualifies.
 
-    ``cacheable`` is False when the relaxed answer also relied on operands that
-    carry no gradient (choice 13), which the call's signature does not show.
+    ``read`` says what else the relaxed answer read (``STATE.uncacheable``): False, the call's signature alone;
+    ``BY_GRADIENT`` / ``BY_MESH`` / both, also which operands carry a gradient (choice 13) or the current mesh;
+    True, anything (or no relaxed answer): not to be remembered.
     """
     if not _qualifies(_buffer(entry, args, kwargs), dest):
-        return result, False, False
+        return result, False, True
     STATE.uncacheable = False
     relaxed = infer(entry, args, kwargs, STATE.strict, zero_buffer=True)
-    cacheable = not STATE.uncacheable
+    read = STATE.uncacheable
     STATE.uncacheable = True  # the answer depends on the buffer's values: not for the result cache
     if relaxed is None:  # nothing typed but the buffer: the ordinary rule's answer stands
-        return result, False, False
-    return relaxed, True, cacheable
+        return result, False, True
+    return relaxed, True, read
 
 
-def remember(key: Any, types: TypeMap) -> None:
-    KNOWN[STATE.strict][key] = types
+def remember(key: Any, types: TypeMap, read: bool | str, args, kwargs) -> None:
+    """Keep the relaxed answer for ``key`` (extended by what it also ``read``, as :func:`into_zeros` says)."""
+    known = KNOWN[STATE.strict]
+    if read is False:
+        known[key] = types
+    elif read is not True:
+        keyed = keyed_by(read)
+        known[key] = keyed
+        known[more_key(keyed, key, args, kwargs)] = types

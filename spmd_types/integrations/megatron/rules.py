@@ -260,7 +260,14 @@ def _reduce_rule(dst: SpmdType, name: str) -> Callable[..., Any]:
     return _af.pure_rule(rule)
 
 
+def _all_to_all_reads(own: tuple, args: tuple) -> tuple:
+    """What :func:`_all_to_all_rule` reads: the group and the input's types (``own``), and of each list of split
+    sizes (a list or a numpy array, new every step) its count and total, not its values."""
+    return own[:2], tuple(None if sizes is None else (len(sizes), sum(int(s) for s in sizes)) for sizes in args[2:4])
+
+
 @_af.pure_rule
+@_af.rule_reads(_all_to_all_reads)
 def _all_to_all_rule(*args: Any, shapes: tuple = ()) -> Any:
     """_AllToAll(group, x, output_split_sizes, input_split_sizes): V -> V on the group's axis.
 
