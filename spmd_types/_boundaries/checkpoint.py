@@ -20,7 +20,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from .._checker.tensor import LTensor, _rebuild_typed_parameter, check_loaded_type
+from .._checker.loaded_types import check_loaded_type
+from .._checker.tensor import LTensor, _rebuild_typed_parameter
 from .._core.types import S, _by_short_name, _type_map_of
 
 __all__ = ["load_state_dict", "check_state_dict", "SAFE_GLOBALS"]

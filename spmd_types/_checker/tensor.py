@@ -40,6 +40,7 @@ from .._torch.private import (
     len_torch_dispatch_stack,
 )
 from .global_ops import explain, global_types, onto_current_mesh, set_spec
+from .loaded_types import check_loaded_type
 from .metadata_reads import install_metadata_reads
 from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
@@ -215,9 +216,12 @@ def _typed_call(func, args, kwargs):
             out = func(*args, **kwargs)
     if out_types is None:
         return out
-    if type(out) is torch.Tensor:  # _wrap's common case, without the call
+    tp = type(out)
+    if tp is torch.Tensor:  # _wrap's common cases, without the call
         out.__class__ = LTensor
         out._spmd_types = out_types
+        return out
+    if tp in _TYPED_CLASSES:  # an in-place op's destination, or an op that returned its operand
         return out
     return _wrap(out, out_types)
 
@@ -355,6 +359,9 @@ def _marker(a: Any) -> Any:
     return None
 
 
+_NUMBERS = frozenset({int, float, bool})
+
+
 def _wrap(out: Any, types: TypeMap) -> Any:
     tp = type(out)
     if tp is torch.Tensor:
@@ -364,6 +371,8 @@ def _wrap(out: Any, types: TypeMap) -> Any:
     if tp is list or tp is tuple:
         for o in out:  # split, chunk, unbind: plain tensors typed in place (the container stays the same)
             if type(o) is not torch.Tensor:
+                if type(o) in _NUMBERS and all(type(x) in _NUMBERS for x in out):
+                    return out  # tolist(): numbers, nothing to type
                 return tp(_wrap(o, types) for o in out)
             o.__class__ = LTensor
             o._spmd_types = types
@@ -403,30 +412,6 @@ def _copy_checking_type(func, args, kwargs):
         check_loaded_type("the value copied in (Tensor.copy_)", getattr(args[1], "_spmd_types", None),
                           getattr(args[0], "_spmd_types", None))
     return _run(func, args, kwargs)
-
-
-def check_loaded_type(what: str, loaded: TypeMap | None, live: TypeMap | None) -> None:
-    """Raise if ``loaded`` (a checkpoint value's types) differs from ``live`` (the tensor it goes into).
-
-    Either side untyped passes: a plain checkpoint carries no types to check.
-    V and S(d) match each other, as in ``assert_type``.
-    """
-    if loaded is None or live is None or loaded is live:
-        return
-    for axis in dict.fromkeys(live.axes() + loaded.axes()):
-        have, want = loaded.get(axis), live.get(axis)
-        if have is want or (have is not None and want is not None and have.is_varying and want.is_varying
-                            and (have is V or want is V)):
-            continue
-        raise SpmdTypeError(
-            Rejection(
-                f"Loading a value of another type: {what} is {have} on axis '{axis}', and the tensor it is "
-                f"loaded into is {want}.",
-                [("loaded", loaded.format()), ("into", live.format()), ("axis", f"'{axis}': {have} is not {want}")],
-                ["save and load with the same types (a checkpoint keeps the types it was saved with)"],
-            ),
-            None,
-        )
 
 
 _KEEP_UNCHECKED = {torch.Tensor.detach: _keeping_type, torch.Tensor.to: _keeping_type,
