@@ -73,6 +73,8 @@ class Registration(NamedTuple):
     original_backward: Any = None  # the class's own ``backward``, wrapped to receive plain gradients
     original_forward: Any = None  # the class's own ``forward``, wrapped to run eagerly under a checked compile
     rule_shapes: bool = False  # the rule takes ``shapes=`` (each argument's shape, None for a non-tensor)
+    pure: bool = False  # the rule is marked pure_rule: its answers are remembered
+    reads: Any = None  # what the rule reads of its arguments (rule_reads), or None: all of them
 
 
 _REGISTRY: dict[type, Registration] = {}
@@ -201,7 +203,9 @@ def _registration(local, op, axis, src, dst, reduce, rule, transparent, cls=None
             raise TypeError(f"register_autograd_function: {', '.join(extra)} go with op=..., not with {kind}")
         if kind == "rule" and not callable(rule):
             raise TypeError(f"register_autograd_function: rule must be callable, got {rule!r}")
-        return Registration(kind, rule=rule, rule_shapes=kind == "rule" and _takes_shapes(rule))
+        return Registration(kind, rule=rule, rule_shapes=kind == "rule" and _takes_shapes(rule),
+                            pure=getattr(rule, "__spmd_pure_rule__", False),
+                            reads=getattr(rule, "__spmd_rule_reads__", None))
     if op not in _OPS:
         raise ValueError(f"register_autograd_function: op must be one of {', '.join(_OPS)}; got {op!r}")
     if axis is None:
@@ -437,7 +441,8 @@ def _takes_shapes(rule: Callable[..., Any]) -> bool:
 def pure_rule(rule: Callable[..., Any]) -> Callable[..., Any]:
     """Mark ``rule`` a function of its arguments and the current mesh only: its accepted results are then
     remembered per argument types (a user's rule may read anything, so it is asked every time). A call that
-    reads more (global state) sets ``STATE.uncacheable`` and is not remembered."""
+    reads more (global state) sets ``STATE.uncacheable`` and is not remembered. Mark before registering: the
+    registration reads the mark."""
     rule.__spmd_pure_rule__ = True  # type: ignore[attr-defined]
     return rule
 
@@ -466,13 +471,13 @@ def _rule_types(cls: type, reg: Registration, args: tuple, own: tuple | None = N
         with _DisableTF():  # a typed tensor's .shape through __torch_function__ costs microseconds
             shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
     key = None
-    if getattr(reg.rule, "__spmd_pure_rule__", False):
+    if reg.pure:
         mesh = current_mesh()
         # Keyed by the arguments' own types: the types the rule reads (presented on the current mesh) are a
         # function of them and of the mesh, which its token stands for; presenting them waits for a miss.
         own = _own_types(args)[0] if own is None else own
-        reads = getattr(reg.rule, "__spmd_rule_reads__", None)
-        key = (cls, reg.rule, own if reads is None else reads(own, args), shapes, None if mesh is None else mesh.token)
+        key = (cls, reg.rule, own if reg.reads is None else reg.reads(own, args), shapes,
+               None if mesh is None else mesh.token)
         try:
             found = _RULE_RESULTS.get(key, _NOT_FOUND)
         except TypeError:  # an unhashable argument (a list of split sizes): asked every time
