@@ -14,6 +14,8 @@ four inputs, interleaved in every round, CPU time, medians over rounds:
 "floor" minus "plain" is paid by any ``__torch_function__`` subclass: torch's C++ finding the override and
 calling into Python, and the op's arguments parsed a second time. "LTensor" minus "floor" is this package's
 share. A typed step's overhead is about (checked ops) x (LTensor - plain) plus its registered Functions.
+(``benchmarks/overhead.py``'s "tagged floor" re-wraps each result with ``as_subclass``, a new Python object:
+heavier than the floor here, which sets the result's class in place as LTensor does.)
 """
 
 from __future__ import annotations

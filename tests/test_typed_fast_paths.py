@@ -268,3 +268,23 @@ def test_registered_identity_forward_output_is_a_new_typed_tensor(tp4):
             x = spmd.assert_type(torch.randn(4, requires_grad=True), {"tp": I})
             y = Copy.apply(x)
             assert y is not x and spmd.get_type(x) == {"tp": I} and spmd.get_type(y) == {"tp": R}
+
+
+def test_an_op_s_numbers_and_an_in_place_op_s_destination_come_back_as_the_full_path_gives_them(tp4, monkeypatch):
+    """tolist() gives numbers: the list comes back as it is, not rebuilt number by number; an in-place op gives
+    its typed destination, without _wrap's call."""
+    wrapped = []
+    wrap = _tensor._wrap
+    monkeypatch.setattr(_tensor, "_wrap", lambda out, types: wrapped.append(type(out).__name__) or wrap(out, types))
+    with spmd.set_current_mesh(tp4), spmd.typecheck():
+        x = spmd.assert_type(torch.arange(6.0).view(2, 3), {"tp": R})
+        row = x[0].tolist()
+        assert row == [0.0, 1.0, 2.0] and (x[0] > 1).tolist() == [False, False, True]
+        assert wrapped == ["list", "list"]  # one call each, none per number
+        wrapped.clear()
+        assert x.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and wrapped == ["list"] * 3  # the rows, as rows
+        wrapped.clear()
+        y = x.clone()
+        assert y.mul_(2) is y and spmd.get_type(y) == {"tp": R} and wrapped == []
+        parts = x.split(1)  # a tuple of tensors: typed in place by _wrap
+        assert [spmd.get_type(p) for p in parts] == [{"tp": R}] * 2 and wrapped == ["tuple"]
