@@ -35,29 +35,24 @@ import spmd_types as spmd
 _OFF = torch._C.DisableTorchFunctionSubclass
 
 
-class ClassOnly(torch.Tensor):
-    """The least a subclass that keeps its class through ops can do."""
+def _floor(name: str, with_attribute: bool) -> type:
+    """The least a subclass that keeps its class through ops can do (and, ``with_attribute``, set one attribute on
+    every result, where a typed subclass keeps its types)."""
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_function__(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         with _OFF():
             out = func(*args, **(kwargs or {}))
         if type(out) is torch.Tensor:
-            out.__class__ = ClassOnly
+            out.__class__ = cls
+            if with_attribute:
+                out._types = None
         return out
 
+    return type(name, (torch.Tensor,), {"__torch_function__": classmethod(__torch_function__)})
 
-class WithAttribute(torch.Tensor):
-    """ClassOnly, and one attribute on every result (where a typed subclass keeps its types)."""
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        with _OFF():
-            out = func(*args, **(kwargs or {}))
-        if type(out) is torch.Tensor:
-            out.__class__ = WithAttribute
-            out._types = None
-        return out
+ClassOnly = _floor("ClassOnly", with_attribute=False)
+WithAttribute = _floor("WithAttribute", with_attribute=True)
 
 
 def _chain(x: torch.Tensor, w: torch.Tensor, links: int) -> torch.Tensor:

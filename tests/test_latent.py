@@ -1,10 +1,10 @@
 """Types given outside typecheck() (``_checker/latent.py``): recorded as given, resolved only when read or applied.
 
-The record costs well under a microsecond (``benchmarks/erased_assert.py``), so it leaves the tensor
-untouched and keeps its entry in a table keyed by the tensor's id with a weak reference: these tests pin
-that an entry is only ever read as its own tensor's record, that the table stays bounded, and that
-everything the records stood for before (``get_local_type``, ``has_local_type``, typing when
-``typecheck()`` starts, the mesh and process-group world they were given under) still holds.
+The record is kept cheap (``benchmarks/erased_assert.py``: under a microsecond for a tensor asserted
+again), so it leaves the tensor untouched and keeps its entry in a table keyed by the tensor's id with
+a weak reference: these tests pin that an entry is only ever read as its own tensor's record, that the
+table stays bounded, and that everything the records stood for before (``get_local_type``,
+``has_local_type``, typing when ``typecheck()`` starts, the mesh and process-group world they were given under) still holds.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ checking off. So outside checking ``assert_type`` only writes down what it was
 told: the raw types and partition spec, with the current mesh and process-group
 world they were given under. Nothing is resolved, checked or looked up then,
 and the tensor stays a plain ``torch.Tensor`` and is not touched (a fresh
-tensor would otherwise grow a ``__dict__``): under a microsecond a call,
-``benchmarks/erased_assert.py``. ``typecheck()`` resolves and applies every
+tensor would otherwise grow a ``__dict__``): under a microsecond a call for a
+tensor asserted again, 1.3-1.4 µs for a fresh one (``benchmarks/erased_assert.py``). ``typecheck()`` resolves and applies every
 record when it starts; ``has_local_type`` and ``get_local_type`` resolve one on
 demand (:func:`remembered`).
 
