@@ -22,7 +22,7 @@ from conftest import fake_mesh
 
 import spmd_types as spmd
 from spmd_types._checker import tensor as _tensor
-from spmd_types._checker.metadata_reads import FAST_ATTRIBUTES
+from spmd_types._checker.metadata_reads import FAST_ATTRIBUTES, FAST_SETS
 from spmd_types._guards import function_guard
 from spmd_types.testing import simulate
 
@@ -76,17 +76,26 @@ def test_metadata_reads_skip_torch_function_and_answer_as_a_plain_tensor(tp4, to
         assert (typed[name] is value) if name == "grad" else (typed[name] == value), name
 
 
-def test_setting_and_deleting_still_go_through_torch_function(tp4, torch_function_calls):
+def test_setting_grad_and_requires_grad_skips_torch_function_other_sets_and_deletes_do_not(tp4, torch_function_calls):
+    # the sets answered without __torch_function__ are rows that check nothing
+    assert all(getattr(torch.Tensor, name).__set__ in _tensor._UNCHECKED for name in FAST_SETS)
     with spmd.set_current_mesh(tp4), spmd.typecheck():
         t = spmd.assert_type(torch.randn(4, 6, requires_grad=True), {"tp": R})
         g = spmd.assert_type(torch.ones(4, 6), {"tp": P})
+        del torch_function_calls[:]
         t.grad = g
         assert t.grad is g
+        t.grad = None  # what zero_grad() does to every parameter
+        assert t.grad is None
+        t.requires_grad = False
+        assert not t.requires_grad
+        t.grad = g
+        assert torch_function_calls == []
         del t.grad
         assert t.grad is None
         with pytest.raises(AttributeError):
-            t.dtype = torch.float64
-    assert "__set__" in torch_function_calls and "__delete__" in torch_function_calls
+            t.dtype = torch.float64  # torch refuses it before any dispatch
+    assert torch_function_calls == ["__delete__"]
 
 
 def test_metadata_of_a_non_leaf_and_of_a_view(tp4):

@@ -49,6 +49,8 @@ T = TypeVar("T")
 _weak = weakref.ref
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 _COMPILER = torch.compiler
+_type = type  # (assert_type's published keyword type= shadows the builtin there)
+_NONE = object()  # no value given
 TypeSpec = Mapping[Axis, SpmdType]
 
 
@@ -276,7 +278,7 @@ def _placed_uncached(types: TypeSpec, partition_spec: Any, ndim: int) -> tuple[T
     return TypeMap.of(full, mesh.space), (spec if (placed or global_axes) else None), resolved
 
 
-def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: Any = None, **published: Any) -> T:
+def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: Any = None, type: Any = _NONE) -> T:
     """Give ``tensor`` its SPMD types, or check the types it has.
 
     Inside :func:`typecheck`: a plain tensor is typed in place (the same
@@ -300,9 +302,9 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
             spmd.assert_type(w, {"dp": spmd.I, "tp": spmd.I})  # w itself is typed now
             spmd.assert_type(w, {"tp": spmd.I})  # passes
     """
-    t = tensor
-    if type(types) is dict and (_state.never_checked or not STATE.checking) and type(t) in _PLAIN and not (
-            more or published or _dynamo_tracing() or _COMPILER._is_compiling_flag):  # compiling(), inline
+    t, published = tensor, type  # (the published 0.2.3 keyword, assert_type(tensor=x, type={...}), shadows type())
+    if _type(types) is dict and (_state.never_checked or not STATE.checking) and _type(t) in _PLAIN and not (
+            more or published is not _NONE or _dynamo_tracing() or _COMPILER._is_compiling_flag):  # compiling()
         # erased, the common case: recorded for a later typecheck(), t stays plain (latent.remember, inline: an
         # erased call is one Python frame)
         entry = RECORDS.get(id(t))
@@ -322,11 +324,13 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
     return _assert_type(t, types, more, partition_spec, published)
 
 
-def _assert_type(t: Any, types: Any, more: tuple, partition_spec: Any, published: dict) -> Any:
+def _assert_type(t: Any, types: Any, more: tuple, partition_spec: Any, published: Any) -> Any:
     """:func:`assert_type` past its erased common case (kept apart: a function with closures pays for its cells on
     every call, and the erased call is the one a process that never checks makes)."""
-    if published:  # the published 0.2.3 keyword, assert_type(tensor=x, type={...})
-        types = _published_type(types, published)
+    if published is not _NONE:  # the published 0.2.3 keyword, assert_type(tensor=x, type={...})
+        if types is not None:
+            raise TypeError("assert_type: the type is given twice, by position and as type=")
+        types = published
     if more or (type(types) is not dict and (partition_spec is not None or not isinstance(types, AxisType))):
         if routed():  # torch.compile traces: the parts (references to types read in the trace) join when checked
             if STATE.checking:
@@ -388,14 +392,6 @@ def _assert_type(t: Any, types: Any, more: tuple, partition_spec: Any, published
     return out  # type: ignore[return-value]
 
 
-def _published_type(types: Any, published: dict) -> Any:
-    if set(published) != {"type"}:
-        raise TypeError(f"assert_type() got an unexpected keyword argument {next(k for k in published if k != 'type')!r}")
-    if types is not None:
-        raise TypeError("assert_type: the type is given twice, by position and as type=")
-    return published["type"]
-
-
 def _joined_record(record: tuple, types: dict, partition_spec: Any) -> tuple[Any, Any]:
     """A second assert outside typecheck(): the axes it names join the first's (as on a typed tensor, where an
     assert checks the axes it names and leaves the others)."""
@@ -406,9 +402,6 @@ def _joined_record(record: tuple, types: dict, partition_spec: Any) -> tuple[Any
                                                                       for a, t in types.items()):
         return old_types, old_spec  # nothing new: the record's own objects (the next such assert is one lookup)
     return {**old_types, **types}, partition_spec if partition_spec is not None else old_spec
-
-
-_NONE = object()
 
 
 def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:

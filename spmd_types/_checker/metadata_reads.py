@@ -12,9 +12,10 @@ rank simulator: a typed tensor is then also the mode's subclass) and while torch
 torch.compile's tracer (dynamo) never calls these properties: it asks whether a subclass overrides
 an attribute by comparing it with ``torch.Tensor``'s own, and each property here compares equal to
 the descriptor it reads, so dynamo traces the read through ``__torch_function__`` as before (which
-tells the compile room that a graph holds typed values). Setting and deleting go through it always
-(``t.grad = g`` is rare, and its row says what it does). Methods (``size()``, ``dim()``) are not
-answered here: dynamo would see an overridden method and break its graph.
+tells the compile room that a graph holds typed values). Setting ``grad`` and ``requires_grad`` is
+answered here too (``zero_grad()`` sets every parameter's ``grad`` to None each step; both rows are
+unchecked); other sets and every delete go through ``__torch_function__``. Methods (``size()``,
+``dim()``) are not answered here: dynamo would see an overridden method and break its graph.
 
 Example::
 
@@ -28,15 +29,17 @@ from typing import Any
 
 import torch
 
-from .._torch.private import DisableTorchFunctionSubclass, len_torch_dispatch_stack
+from .._torch.private import call_without_subclass_dispatch, len_torch_dispatch_stack
 
 __all__ = ["FAST_ATTRIBUTES", "install_metadata_reads"]
 
 # the attributes read most in a training step (Megatron-core and torchtitan models counted); every one is a
 # row of the rules table's metadata kind
 FAST_ATTRIBUTES = ("requires_grad", "dtype", "shape", "is_leaf", "device", "grad", "ndim", "is_cuda")
+# ... and those set most: every parameter's ``grad = None`` in ``zero_grad()`` (rows of the metadata kind as well)
+FAST_SETS = frozenset({"grad", "requires_grad"})
 
-_DisableTF = DisableTorchFunctionSubclass
+_OFF_CALL = call_without_subclass_dispatch  # get(self) with subclass dispatch off
 _dispatch_depth = len_torch_dispatch_stack
 _COMPILER = torch.compiler
 
@@ -62,11 +65,15 @@ def _fast_property(name: str) -> property:
     def fget(self: torch.Tensor) -> Any:
         if _dispatch_depth() or _COMPILER._is_compiling_flag:
             return get(self)
-        with _DisableTF():
-            return get(self)
+        return _OFF_CALL(get, (), (self,))
+
+    set_ = base.__set__
 
     def fset(self: torch.Tensor, value: Any) -> None:
-        base.__set__(self, value)
+        if name not in FAST_SETS or _dispatch_depth() or _COMPILER._is_compiling_flag:
+            set_(self, value)
+        else:
+            _OFF_CALL(set_, (), (self, value))
 
     def fdel(self: torch.Tensor) -> None:
         base.__delete__(self)

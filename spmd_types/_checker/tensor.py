@@ -35,6 +35,7 @@ from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import infer
 from .._torch.private import (
     DisableTorchFunctionSubclass,
+    call_without_subclass_dispatch,
     is_fwd_grad_enabled,
     is_torch_function_enabled,
     len_torch_dispatch_stack,
@@ -62,6 +63,8 @@ from .zero_buffers import into_zeros, known_into_zeros, remember, storage_shared
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
 _DisableTF = DisableTorchFunctionSubclass
+_OFF_CALL = call_without_subclass_dispatch  # func(*args, **kwargs) with subclass dispatch off, one C call
+_NO_TYPES = ()
 _dispatch_depth = len_torch_dispatch_stack
 _tf_enabled = is_torch_function_enabled
 _grad_enabled = torch.is_grad_enabled
@@ -140,8 +143,8 @@ class LTensor(torch.Tensor):
                 return _register_typed_hook(func, args, kwargs)
             if func in _AUTOGRAD_RUNS or _dispatch_depth():
                 return _run(func, args, kwargs)
-            with _DisableTF():  # _run's common case, without the call
-                return func(*args, **kwargs)
+            # _run's common case, without the call
+            return _OFF_CALL(func, _NO_TYPES, args, kwargs) if kwargs else _OFF_CALL(func, _NO_TYPES, args)
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
@@ -212,8 +215,7 @@ def _typed_call(func, args, kwargs):
     if func in _AUTOGRAD_RUNS or _dispatch_depth():
         out = _run(func, args, kwargs)
     else:  # _run's common case, without the call
-        with _DisableTF():
-            out = func(*args, **kwargs)
+        out = _OFF_CALL(func, _NO_TYPES, args, kwargs) if kwargs else _OFF_CALL(func, _NO_TYPES, args)
     if out_types is None:
         return out
     tp = type(out)

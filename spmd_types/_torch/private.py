@@ -31,6 +31,11 @@ _RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # --- torch._C: dispatch and autograd state, read on every typed op -------------------------------------------
 DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass  # run an op with subclass dispatch off
+# call_without_subclass_dispatch(func, types, args[, kwargs]): func(*args, **kwargs) with subclass dispatch off, in
+# one C call (what ``with DisableTorchFunctionSubclass(): func(*args, **kwargs)`` does, without the context
+# manager's two method calls). Pass kwargs only when there are some: an empty dict, or None, reaches func as
+# keywords, which a slot wrapper (a getter's __get__) refuses
+call_without_subclass_dispatch = torch._C._disabled_torch_function_impl
 EnableTorchFunction = torch._C._EnableTorchFunction  # subclass dispatch back on (a compiled graph's checker)
 len_torch_dispatch_stack = torch._C._len_torch_dispatch_stack  # how many dispatch modes are active
 is_torch_function_enabled = torch._C._is_torch_function_enabled  # inside an op already being run
@@ -285,6 +290,7 @@ def _on_2_14(load: Callable[[], Any]) -> Callable[[], Any]:
 # name -> a loader that returns it: every private name above, loaded by tests/test_torch_private.py
 NAMES: dict[str, Callable[[], Any]] = {
     "torch._C.DisableTorchFunctionSubclass": lambda: DisableTorchFunctionSubclass,
+    "torch._C._disabled_torch_function_impl": lambda: call_without_subclass_dispatch,
     "torch._C._EnableTorchFunction": lambda: EnableTorchFunction,
     "torch._C._len_torch_dispatch_stack": lambda: len_torch_dispatch_stack,
     "torch._C._is_torch_function_enabled": lambda: is_torch_function_enabled,
