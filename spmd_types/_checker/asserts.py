@@ -293,7 +293,8 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
     The type may come in parts, as the published API takes them: type dicts, an
     ``spmd.SpmdType``, a ``PartitionSpec`` and one bare R, I, V or P that fills
     the axes nothing else names (``assert_type(x, spmd.R, {"cp": spmd.V})``);
-    see :func:`spmd.merge_types`.
+    see :func:`spmd.merge_types`. ``type=`` is the published 0.2.3 keyword
+    for ``types`` (``assert_type(tensor=x, type={...})``); give one or the other.
 
     Example::
 
