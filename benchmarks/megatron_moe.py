@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
@@ -36,7 +37,11 @@ def _patch() -> None:
     S.accommodate_moe_cpu(Patcher())
 
 
-def one_dispatcher(dispatcher: str, repeats: int) -> tuple[float, float]:
+def build_steps(dispatcher: str) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(untyped step, typed step, reset before a step, teardown) for the MoE GPTModel with ``dispatcher``.
+
+    Also used by ``benchmarks/step_breakdown.py --moe``. Call ``_patch()`` once first.
+    """
     import _megatron_moe_support as S
     from conftest import fake_world
     from megatron.core import parallel_state as ps
@@ -80,19 +85,28 @@ def one_dispatcher(dispatcher: str, repeats: int) -> tuple[float, float]:
             p = spmd.assert_type(positions.clone(), {"dp": spmd.V, "tp": spmd.I})
             model(t, p, mask, labels=t).sum().backward()
 
+    def reset() -> None:
+        model.zero_grad(set_to_none=True)
+        plain_model.zero_grad(set_to_none=True)
+        S.clear_aux_losses_tracker()
+
+    return untyped, typed, reset, ps.destroy_model_parallel
+
+
+def one_dispatcher(dispatcher: str, repeats: int) -> tuple[float, float]:
+    """Median CPU seconds of the untyped and the typed step, interleaved (the order alternating)."""
+    untyped, typed, reset, teardown = build_steps(dispatcher)
     times: dict[str, list[float]] = {"untyped": [], "typed": []}
     for fn in (untyped, typed):  # warm-up
-        S.clear_aux_losses_tracker()
+        reset()
         fn()
     for i in range(repeats):
         for name, fn in (("untyped", untyped), ("typed", typed))[:: 1 if i % 2 == 0 else -1]:  # order alternates
-            model.zero_grad(set_to_none=True)
-            plain_model.zero_grad(set_to_none=True)
-            S.clear_aux_losses_tracker()
+            reset()
             start = time.process_time()
             fn()
             times[name].append(time.process_time() - start)
-    ps.destroy_model_parallel()
+    teardown()
     return statistics.median(times["untyped"]), statistics.median(times["typed"])
 
 

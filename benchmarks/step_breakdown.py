@@ -1,9 +1,10 @@
 """Where a typed Megatron-core step spends its time: Python bytecodes counted per function (deterministic).
 
-Run: python benchmarks/step_breakdown.py [--top N]   (needs megatron-core)
+Run: python benchmarks/step_breakdown.py [--top N] [--moe allgather|alltoall]   (needs megatron-core)
 
 Timings on a shared machine move by 20% between runs; a count of the Python bytecodes each function
-executes in one step does not. This runs the GPTModel step of ``benchmarks/megatron.py`` (a) once untyped
+executes in one step does not. This runs the GPTModel step of ``benchmarks/megatron.py`` (a), or with
+``--moe`` the MoE step of ``benchmarks/megatron_moe.py`` with that token dispatcher, once untyped
 and once typed (parameters typed before, as a training loop does) under a tracer that counts every
 bytecode, and prints the totals, this package's share by module, and the functions that run the most
 bytecodes in the typed step beside their count in the untyped one. What bytecodes do not show: the cost
@@ -18,6 +19,7 @@ import collections
 import os
 import sys
 import warnings
+from typing import Callable
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
@@ -62,11 +64,8 @@ def count(fn) -> collections.Counter:
     return counts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--top", type=int, default=25)
-    top = parser.parse_args().top
-    warnings.filterwarnings("ignore")
+def _dense_steps() -> tuple[str, Callable[[], None], Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """(title, untyped step, typed step, reset, teardown): ``benchmarks/megatron.py``'s GPTModel (a)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
@@ -76,7 +75,6 @@ def main() -> None:
     from spmd_types import megatron as spmd_megatron
 
     megatron_gpt.cpu_accommodations()
-    torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     spmd_megatron.register()
@@ -101,19 +99,49 @@ def main() -> None:
             p = spmd.assert_type(positions.clone(), {"dp": spmd.V, "tp": spmd.I})
             models["typed"](t, p, mask, labels=t).sum().backward()
 
-    for fn in (untyped, typed, untyped, typed):  # warm: every cache filled
+    def reset() -> None:
         for m in models.values():
             m.zero_grad(set_to_none=True)
+
+    def teardown() -> None:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+    return "GPTModel (4 layers, hidden 128, tp=2, dp=2, SP)", untyped, typed, reset, teardown
+
+
+def _moe_steps(dispatcher: str) -> tuple[str, Callable[[], None], Callable[[], None], Callable[[], None],
+                                         Callable[[], None]]:
+    """(title, untyped step, typed step, reset, teardown): ``benchmarks/megatron_moe.py``'s model."""
+    sys.path.insert(0, _HERE)
+    import megatron_moe
+
+    megatron_moe._patch()
+    untyped, typed, reset, teardown = megatron_moe.build_steps(dispatcher)
+    return f"MoE GPTModel ({dispatcher} dispatcher, tp=2 + SP, ep=2)", untyped, typed, reset, teardown
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--moe", choices=("allgather", "alltoall"), default=None,
+                        help="count benchmarks/megatron_moe.py's MoE step with this token dispatcher instead")
+    args = parser.parse_args()
+    top = args.top
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    title, untyped, typed, reset, teardown = _moe_steps(args.moe) if args.moe else _dense_steps()
+    for fn in (untyped, typed, untyped, typed):  # warm: every cache filled
+        reset()
         fn()
     got = {}
     for name, fn in (("untyped", untyped), ("typed", typed)):
-        for m in models.values():
-            m.zero_grad(set_to_none=True)
+        reset()
         got[name] = count(fn)
     u, t = got["untyped"], got["typed"]
     total_u, total_t = sum(u.values()), sum(t.values())
     ours = sum(v for (f, _), v in t.items() if f.startswith("spmd_types/"))
-    print(f"GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward; torch {torch.__version__}")
+    print(f"{title} one forward+backward; torch {torch.__version__}")
     print(f"Python bytecodes per step: untyped {total_u}, typed {total_t} ({total_t / total_u:.2f}x); "
           f"in spmd_types {ours} ({100 * ours / (total_t - total_u):.0f}% of the difference)")
     by_module: collections.Counter = collections.Counter()
@@ -127,8 +155,7 @@ def main() -> None:
     print(f"    {'typed':>8} {'untyped':>8}  function")
     for (f, n), v in t.most_common(top):
         print(f"    {v:8d} {u.get((f, n), 0):8d}  {f}:{n}")
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":
