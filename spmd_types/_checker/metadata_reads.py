@@ -70,15 +70,14 @@ def _fast_property(name: str) -> property:
     set_ = base.__set__
 
     def fset(self: torch.Tensor, value: Any) -> None:
-        if name not in FAST_SETS or _dispatch_depth() or _COMPILER._is_compiling_flag:
+        if _dispatch_depth() or _COMPILER._is_compiling_flag:
             set_(self, value)
         else:
             _OFF_CALL(set_, (), (self, value))
 
-    def fdel(self: torch.Tensor) -> None:
-        base.__delete__(self)
-
-    return _FastRead(fget, fset, fdel, doc=f"``Tensor.{name}``, read without subclass dispatch").base(base)
+    # sets other than FAST_SETS, and deletes, are torch's own (through __torch_function__)
+    return _FastRead(fget, fset if name in FAST_SETS else set_, base.__delete__,
+                     doc=f"``Tensor.{name}``, read without subclass dispatch").base(base)
 
 
 def install_metadata_reads(cls: type) -> None:

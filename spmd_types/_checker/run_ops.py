@@ -26,12 +26,17 @@ from .._local.rules_table import RuleKind
 from .._torch.private import (
     DisableTorchFunctionSubclass,
     TorchDispatchMode,
+    call_without_subclass_dispatch,
     execution_engine,
     len_torch_dispatch_stack,
     local_tensors_of,
 )
 
 _DisableTF = DisableTorchFunctionSubclass
+# _OFF_CALL(func, _NO_TYPES, args[, kwargs]): func(*args, **kwargs) with subclass dispatch off in one C call (kwargs
+# passed only when there are some); _run's common case, which the typed op path inlines
+_OFF_CALL = call_without_subclass_dispatch
+_NO_TYPES = ()
 _dispatch_depth = len_torch_dispatch_stack
 
 # typed class -> the class it is swapped to for a call; every typed class (filled by the tensor layer)
@@ -56,8 +61,7 @@ def _run(func, args, kwargs):
         if func in _UNCHECKED or func in _PASSTHROUGH:
             return _run_swapped(func, args, kwargs)
         return _run_on_aliases(func, args, kwargs)
-    with _DisableTF():
-        return func(*args, **kwargs)
+    return _OFF_CALL(func, _NO_TYPES, args, kwargs) if kwargs else _OFF_CALL(func, _NO_TYPES, args)
 
 
 def _run_checked_simulated(func, args, kwargs):

@@ -35,7 +35,6 @@ from .._local.op_registry import OpEntry, entry_for
 from .._local.rules import infer
 from .._torch.private import (
     DisableTorchFunctionSubclass,
-    call_without_subclass_dispatch,
     is_fwd_grad_enabled,
     is_torch_function_enabled,
     len_torch_dispatch_stack,
@@ -47,6 +46,8 @@ from .result_keys import Keyed, keyed_by, more_key
 from .run_ops import (  # noqa: F401 - _run_swapped, _PASSTHROUGH: used by other modules and tests
     _AUTOGRAD_RUNS,
     _BACKWARD,
+    _NO_TYPES,
+    _OFF_CALL,
     _PASSTHROUGH,
     _SWAP_BACK,
     _TYPED_CLASSES,
@@ -63,8 +64,6 @@ from .zero_buffers import into_zeros, known_into_zeros, remember, storage_shared
 __all__ = ["LTensor", "TypedParameter", "make_typed", "type_in_place", "format_tensor_type"]
 
 _DisableTF = DisableTorchFunctionSubclass
-_OFF_CALL = call_without_subclass_dispatch  # func(*args, **kwargs) with subclass dispatch off, one C call
-_NO_TYPES = ()
 _dispatch_depth = len_torch_dispatch_stack
 _tf_enabled = is_torch_function_enabled
 _grad_enabled = torch.is_grad_enabled
