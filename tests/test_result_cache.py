@@ -136,8 +136,8 @@ def _space(mesh) -> Space:
 
 class _Scale(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, k):
-        return x * (k[0] if isinstance(k, list) else k)
+    def forward(ctx, x, k):  # k: a number, or sizes (a list, a numpy array) whose first scales
+        return x * (k if isinstance(k, (int, float)) else float(k[0]))
 
     @staticmethod
     def backward(ctx, g):
@@ -218,18 +218,6 @@ def test_a_pure_rule_given_sizes_is_remembered_by_their_values(meshes, scale):
     assert len(_ASKED) == 2
 
 
-class _Sized(torch.autograd.Function):
-    """x * 2, given sizes it does not use (as an all-to-all is given its splits)."""
-
-    @staticmethod
-    def forward(ctx, x, sizes):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 2, None
-
-
 def _count_and_total(own: tuple, args: tuple) -> tuple:
     return own[0], (len(args[1]), sum(int(s) for s in args[1]))
 
@@ -240,18 +228,19 @@ def _sized_rule(x, sizes):  # its own function: pure_rule and rule_reads mark th
 
 def test_a_pure_rule_that_says_what_it_reads_is_keyed_by_that(meshes):
     """rule_reads: a rule that reads only the count and total of its sizes (Megatron's all-to-all) is asked once
-    per count and total, whatever the values (a numpy array too, which the plain key cannot hold)."""
+    per count and total, whatever the values (a numpy array too, which the plain key cannot hold). _Scale is
+    registered here with such a rule instead of the fixture's."""
     import numpy as np
 
     from spmd_types._boundaries.autograd_functions import pure_rule, rule_reads
 
     dense, _ = meshes
-    spmd.register_autograd_function(_Sized, rule=pure_rule(rule_reads(_count_and_total)(_sized_rule)))
+    spmd.register_autograd_function(_Scale, rule=pure_rule(rule_reads(_count_and_total)(_sized_rule)))
     try:
         v = spmd.assert_type(torch.randn(3), {"dp": V, "cp": V, "tp": R})
         _ASKED.clear()
         for k in ([1, 2], [2, 1], np.array([3, 0]), [2, 2], [1, 2, 0], np.array([4, 0])):
-            assert spmd.get_type(_Sized.apply(v, k)) == {"dp": V, "cp": V, "tp": R}
+            assert spmd.get_type(_Scale.apply(v, k)) == {"dp": V, "cp": V, "tp": R}
         assert [list(asked[1]) for asked in _ASKED] == [[1, 2], [2, 2], [1, 2, 0]]
     finally:
-        spmd.unregister_autograd_function(_Sized)
+        spmd.unregister_autograd_function(_Scale)
