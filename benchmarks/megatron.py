@@ -7,7 +7,9 @@ Run: python benchmarks/megatron.py [--tables abc]   (needs megatron-core; prints
     group, typed (``spmd.typecheck()`` with the adapter's registrations, the
     parameters typed once before the loop as in a training loop; and again
     with ``type_parameters`` every step) vs untyped (a second model built
-    alike, which typing never touched); medians of repeats, interleaved.
+    alike, which typing never touched) and the floor (a third, run as the
+    least subclass a typed tensor must be: what no checker can avoid);
+    medians of repeats, interleaved; ratios paired within a repeat.
 (b) Communication: each erased spmd call (plain tensors, outside
     ``typecheck()``) against the Megatron-core mapping that does the same
     work, forward+backward, on 2 and 4 gloo processes, a small (4 KB) and a
@@ -25,11 +27,13 @@ Run: python benchmarks/megatron.py [--tables abc]   (needs megatron-core; prints
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import statistics
 import sys
 import tempfile
 import time
+import types
 import warnings
 
 # This file is named megatron.py: drop its own folder from the import path, or it would shadow the package.
@@ -58,14 +62,25 @@ def _cpu() -> None:
 # (a) typecheck cost on a fake process group
 
 
-def typecheck_cost(repeats: int = 15) -> tuple[float, float, float]:
-    """(untyped, typed, typed re-typing) CPU seconds of one forward+backward, medians of ``repeats``, interleaved.
+def _sibling(name: str) -> types.ModuleType:
+    """A module of this folder, loaded by its path (the folder is off ``sys.path``: see above)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, f"{name}.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
-    Two models built alike: typing is in place (``type_parameters`` and ``assert_type`` give the parameters
+
+def typecheck_cost(repeats: int = 15) -> dict[str, list[float]]:
+    """CPU seconds of one forward+backward per variant and repeat (the order rotating between repeats).
+
+    Models built alike: typing is in place (``type_parameters`` and ``assert_type`` give the parameters
     and tokens their types), so the untyped run gets a model and tokens that typing never touched. "typed" is
     the step a training loop runs: the parameters typed once before the loop (they keep their types), the
     tokens asserted and the forward and backward checked in ``spmd.typecheck()`` every step; "typed
-    re-typing" also calls ``type_parameters`` inside every step (each parameter re-asserted).
+    re-typing" also calls ``type_parameters`` inside every step (each parameter re-asserted). "floor" is the
+    untyped model with its parameters and tokens the least subclass a typed tensor must be
+    (``benchmarks/subclass_floor.py``): what any checker built on a ``torch.Tensor`` subclass pays.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -75,14 +90,16 @@ def typecheck_cost(repeats: int = 15) -> tuple[float, float, float]:
 
     from spmd_types import megatron as spmd_megatron
 
+    floor = _sibling("subclass_floor")
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     spmd_megatron.register()
     models = {}
-    for name in ("untyped", "typed"):
+    for name in ("untyped", "floor", "typed"):
         torch.manual_seed(0)
         models[name] = megatron_gpt.build(2, True, layers=4, hidden=128, heads=8)[1]
+    floor.floor_parameters(models["floor"])
     models["typed re-typing"] = models["typed"]
     seq, vocab = megatron_gpt.SEQ, megatron_gpt.VOCAB
     tokens = torch.randint(0, vocab, (2, seq))
@@ -94,6 +111,10 @@ def typecheck_cost(repeats: int = 15) -> tuple[float, float, float]:
     def untyped() -> None:
         models["untyped"](tokens, positions, mask, labels=tokens).sum().backward()
 
+    def floor_step() -> None:
+        t, p = floor.as_floor(tokens.clone()), floor.as_floor(positions.clone())
+        models["floor"](t, p, mask, labels=t).sum().backward()
+
     def typed(retype: bool = False) -> None:
         model = models["typed"]
         with spmd.set_current_mesh(spmd_megatron.mesh()), spmd.typecheck():
@@ -103,20 +124,20 @@ def typecheck_cost(repeats: int = 15) -> tuple[float, float, float]:
             p = spmd.assert_type(positions.clone(), {"dp": spmd.V, "tp": I})
             model(t, p, mask, labels=t).sum().backward()
 
-    variants = (("untyped", untyped), ("typed", typed), ("typed re-typing", lambda: typed(retype=True)))
+    variants = (("untyped", untyped), ("floor", floor_step), ("typed", typed),
+                ("typed re-typing", lambda: typed(retype=True)))
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     for _, fn in variants:  # warm-up
         fn()
     for i in range(repeats):
-        for name, fn in variants[i % 3:] + variants[:i % 3]:  # the order rotates
+        for name, fn in variants[i % 4:] + variants[:i % 4]:  # the order rotates
             models[name].zero_grad(set_to_none=True)
             start = time.process_time()
             fn()
             times[name].append(time.process_time() - start)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return (statistics.median(times["untyped"]), statistics.median(times["typed"]),
-            statistics.median(times["typed re-typing"]))
+    return times
 
 
 # ---------------------------------------------------------------------------
@@ -333,11 +354,17 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     _cpu()
     if "a" in tables:
-        untyped, typed, retyped = typecheck_cost()
+        repeats = 15
+        times = typecheck_cost(repeats)
+        floor = _sibling("subclass_floor")
+        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         print("(a) GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward on a fake process group, "
-              f"CPU ms, median of 15, interleaved; torch {torch.__version__}")
-        print(f"    untyped {untyped * 1e3:8.1f} ms   typed {typed * 1e3:8.1f} ms   typed/untyped {typed / untyped:5.2f}"
-              f"   (type_parameters every step: {retyped * 1e3:.1f} ms, {retyped / untyped:.2f})")
+              f"CPU ms, median of {repeats}, rotating order; torch {torch.__version__}")
+        print("    floor: the untyped model as the least subclass that keeps its class and one attribute through ops "
+              "(benchmarks/subclass_floor.py); ratios: over the untyped step of the same repeat, median [quartiles]")
+        for name in ("untyped", "floor", "typed", "typed re-typing"):
+            ratio = "" if name == "untyped" else f"   / untyped {floor.paired_ratio(times, name)}"
+            print(f"    {name:<16} {med[name]:8.1f} ms{ratio}")
         print()
     if "b" in tables:
         print("(b) µs per forward+backward (median of repeats); erased spmd vs the Megatron-core mapping; bare "

@@ -117,8 +117,9 @@ def _moe_steps(dispatcher: str) -> tuple[str, Callable[[], None], Callable[[], N
     import megatron_moe
 
     megatron_moe._patch()
-    untyped, typed, reset, teardown = megatron_moe.build_steps(dispatcher)
-    return f"MoE GPTModel ({dispatcher} dispatcher, tp=2 + SP, ep=2)", untyped, typed, reset, teardown
+    steps = megatron_moe.build_steps(dispatcher)
+    return f"MoE GPTModel ({dispatcher} dispatcher, tp=2 + SP, ep=2)", steps.untyped, steps.typed, steps.reset, \
+        steps.teardown
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ four inputs, interleaved in every round, CPU time, medians over rounds:
 
 * a plain tensor (the untyped step);
 * a ``torch.Tensor`` subclass whose ``__torch_function__`` does the least any such subclass can: run the op
-  with subclass dispatch off and give the result the subclass ("floor, class only");
+  with subclass dispatch off (the one C call LTensor uses) and give the result the subclass ("floor, class
+  only");
 * the same, also setting one attribute on the result, as a subclass carrying types must ("floor");
 * an LTensor under ``spmd.typecheck()``: the floor plus this package's check (the cached rule answer).
 
@@ -16,6 +17,9 @@ calling into Python, and the op's arguments parsed a second time. "LTensor" minu
 share. A typed step's overhead is about (checked ops) x (LTensor - plain) plus its registered Functions.
 (``benchmarks/overhead.py``'s "tagged floor" re-wraps each result with ``as_subclass``, a new Python object:
 heavier than the floor here, which sets the result's class in place as LTensor does.)
+
+``floor_parameters`` and ``as_floor`` run a whole model as the floor: ``benchmarks/megatron.py`` (a) and
+``benchmarks/megatron_moe.py`` time their steps that way beside the untyped and the typed step.
 """
 
 from __future__ import annotations
@@ -32,27 +36,69 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import spmd_types as spmd
 
-_OFF = torch._C.DisableTorchFunctionSubclass
+# the one C call LTensor runs an op with: func(*args, **kwargs) with subclass dispatch off
+_OFF_CALL = torch._C._disabled_torch_function_impl
+_SEQUENCES = (tuple, list)
 
 
 def _floor(name: str, with_attribute: bool) -> type:
     """The least a subclass that keeps its class through ops can do (and, ``with_attribute``, set one attribute on
-    every result, where a typed subclass keeps its types)."""
+    every result, where a typed subclass keeps its types). A result is of this class even when an operand is the
+    parameter class below (``cls`` is then that class)."""
 
     def __torch_function__(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        with _OFF():
-            out = func(*args, **(kwargs or {}))
+        out = _OFF_CALL(func, (), args, kwargs) if kwargs else _OFF_CALL(func, (), args)
         if type(out) is torch.Tensor:
-            out.__class__ = cls
+            out.__class__ = floor
             if with_attribute:
                 out._types = None
+        elif type(out) in _SEQUENCES:  # split, topk, ...: each tensor in it
+            for item in out:
+                if type(item) is torch.Tensor:
+                    item.__class__ = floor
+                    if with_attribute:
+                        item._types = None
         return out
 
-    return type(name, (torch.Tensor,), {"__torch_function__": classmethod(__torch_function__)})
+    floor = type(name, (torch.Tensor,), {"__torch_function__": classmethod(__torch_function__)})
+    return floor
 
 
 ClassOnly = _floor("ClassOnly", with_attribute=False)
 WithAttribute = _floor("WithAttribute", with_attribute=True)
+
+
+class WithAttributeParameter(WithAttribute, torch.nn.Parameter):
+    """A parameter of the floor class (as a typed parameter is an LTensor and a Parameter)."""
+
+
+def as_floor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a plain tensor) viewed as the floor class, with its one attribute."""
+    out = t.as_subclass(WithAttribute)
+    out._types = None
+    return out
+
+
+def floor_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its parameters made the floor's parameter class, in place (as typing a model is).
+
+    Example::
+
+        model = floor_parameters(build())
+        model(as_floor(tokens)).sum().backward()   # the model run as the floor subclass
+    """
+    for p in model.parameters():
+        p.__class__ = WithAttributeParameter
+        p._types = None
+    return model
+
+
+def paired_ratio(times: dict[str, list[float]], name: str) -> str:
+    """``name``'s time over the untyped step's in the same repeat (``times[name][i] / times["untyped"][i]``):
+    the median and quartiles of those ratios. The machine's speed drifts between repeats more than within one."""
+    ratios = [t / u for t, u in zip(times[name], times["untyped"])]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return f"{median:.2f} [{q1:.2f}-{q3:.2f}]"
 
 
 def _chain(x: torch.Tensor, w: torch.Tensor, links: int) -> torch.Tensor:
