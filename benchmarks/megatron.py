@@ -21,7 +21,8 @@ Run: python benchmarks/megatron.py [--tables abc]   (needs megatron-core; prints
     as the process group; µs of CPU time per forward+backward. The goal is
     1.05x Megatron's mapping for every call.
 
-``--tables ac`` prints only (a) and (c); (b) starts gloo processes and takes minutes.
+``--tables ac`` prints only (a) and (c); (b) starts gloo processes and takes minutes. ``REPEATS=N`` sets (a)'s
+repeats (15).
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     _cpu()
     if "a" in tables:
-        repeats = 15
+        repeats = int(os.environ.get("REPEATS", "15"))
         times = typecheck_cost(repeats)
         floor = _sibling("subclass_floor")
         med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
