@@ -310,15 +310,12 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
         # erased call is one Python frame)
         entry = RECORDS.get(id(t))
         if entry is None or entry[0]() is not t:  # none yet, or a dead tensor's under a reused id
-            stack = _MESHES.stack
-            RECORDS[id(t)] = (_weak(t), types, partition_spec, stack[-1] if stack else None,
-                              None if C10D_WORLD is None else C10D_WORLD._default_pg)
+            RECORDS[id(t)] = (_weak(t), types, partition_spec, _MESHES.top, C10D_WORLD._default_pg)
             if entry is None and len(RECORDS) >= latent.prune_at:  # (a replaced entry leaves the size as it was)
                 latent.prune()
             return t
-        stack = _MESHES.stack
-        if (entry[1] is types and entry[2] is partition_spec and entry[3] is (stack[-1] if stack else None)
-                and entry[4] is (None if C10D_WORLD is None else C10D_WORLD._default_pg)):
+        if (entry[1] is types and entry[2] is partition_spec and entry[3] is _MESHES.top
+                and entry[4] is C10D_WORLD._default_pg):
             return t  # asserted again as recorded (a parameter every step): the record already says it
         types, partition_spec = _joined_record(entry[1:], types, partition_spec)  # the new axes join the record
         return remember(t, types, partition_spec)

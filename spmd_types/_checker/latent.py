@@ -53,9 +53,7 @@ def remember(t: Any, types: Any, partition_spec: Any) -> Any:
     typed tensor caught with its class swapped to ``torch.Tensor``) is never read.
     """
     if type(t) in PLAIN:  # the common case (asserts.assert_type has it inline: keep the two alike)
-        stack = _MESHES.stack
-        RECORDS[id(t)] = (_ref(t), types, partition_spec, stack[-1] if stack else None,
-                          None if C10D_WORLD is None else C10D_WORLD._default_pg)
+        RECORDS[id(t)] = (_ref(t), types, partition_spec, _MESHES.top, C10D_WORLD._default_pg)
         if len(RECORDS) >= prune_at:
             prune()
         return t
@@ -85,7 +83,7 @@ def prune() -> None:
 
 def _world() -> Any:
     """The current default process group (records belong to the world they were made in), or None."""
-    return None if C10D_WORLD is None else C10D_WORLD._default_pg
+    return C10D_WORLD._default_pg
 
 
 def remembered(t: Any) -> tuple | None:

@@ -82,8 +82,8 @@ def erased(x: Any, args: tuple, op_dtype: Any, out_dtype: Any, backward_options:
     back_dtype = None if backward_options is None else _backward_op_dtype(backward_options)
     if back_dtype is False or _compiling():
         return None
-    meshes = _MESHES.stack
-    mesh = meshes[-1]._token if meshes else None
+    top = _MESHES.top
+    mesh = None if top is None else top._token
     try:
         fast = _ERASED.get((args, x.dtype, back_dtype, mesh))
     except TypeError:  # an unhashable argument (a list of axes, a wrong value): the full path says what is wrong

@@ -241,9 +241,11 @@ _TOKENS: dict[tuple, object] = {}
 
 class _MeshStack(threading.local):
     stack: list[Mesh]
+    top: Mesh | None  # stack[-1], or None: the erased assert_type reads it on every call (one attribute read)
 
     def __init__(self) -> None:
         self.stack = []
+        self.top = None
 
 
 _MESHES = _MeshStack()
@@ -275,11 +277,14 @@ def set_current_mesh(axes: Any = None, *, local_axes: Iterable[Any] = ()) -> Ite
         m = Mesh.from_user(mesh)
     m.local_axes = _local_axes_of(m, local_axes)
     m.token  # noqa: B018 - made now, while the mesh is complete: the erased path reads m._token
-    _MESHES.stack.append(m)
+    stack = _MESHES.stack
+    stack.append(m)
+    _MESHES.top = m
     try:
         yield m
     finally:
-        _MESHES.stack.pop()
+        stack.pop()
+        _MESHES.top = stack[-1] if stack else None
 
 
 def _local_axes_of(mesh: Mesh, axes: Iterable[Any]) -> frozenset[str]:
@@ -306,8 +311,7 @@ def _local_axes_of(mesh: Mesh, axes: Iterable[Any]) -> frozenset[str]:
 
 def current_mesh() -> Mesh | None:
     """The innermost mesh set on this thread, or None."""
-    stack = _MESHES.stack
-    return stack[-1] if stack else None
+    return _MESHES.top
 
 
 def current_mesh_axes() -> frozenset[MeshAxis] | None:

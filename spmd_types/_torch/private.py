@@ -89,9 +89,15 @@ def apply_function(cls: type, *args: Any, **kwargs: Any) -> Any:
 
 
 # --- torch.distributed internals ---------------------------------------------------------------------------
-# the process-group world; its ``_default_pg`` is the current default group (read as an attribute on the
-# erased assert_type's path: tests/test_torch_private.py lists those reads)
-c10d_world = dist.distributed_c10d._world if dist.is_available() else None
+class _NoWorld:
+    """torch built without distributed: no process-group world, and no default group."""
+
+    _default_pg = None
+
+
+# the process-group world; its ``_default_pg`` is the current default group, None before init_process_group
+# (read as an attribute on the erased assert_type's path: tests/test_torch_private.py lists those reads)
+c10d_world = dist.distributed_c10d._world if dist.is_available() else _NoWorld()
 
 
 def default_group() -> Any:
