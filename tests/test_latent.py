@@ -56,6 +56,31 @@ def test_the_last_record_wins_and_a_tensor_has_one_entry(mesh_dp_tp):
             assert spmd.get_type(x) == {"dp": R, "tp": V}
 
 
+def test_asserts_that_add_nothing_leave_the_joined_record_as_it_is(mesh_dp_tp):
+    """Two dicts asserted in turn on one tensor (each naming some axes) join once; after that each says nothing
+    the record does not, and the record is kept, not written again. A new axis, a changed type, another spec
+    or another mesh still rewrites it."""
+    x = torch.randn(4, 8)
+    first, second = {"dp": V}, {"tp": R}
+    with spmd.set_current_mesh(mesh_dp_tp):
+        spmd.assert_type(x, first)
+        spmd.assert_type(x, second)
+        joined = latent.RECORDS[id(x)]
+        assert joined[1] == {"dp": V, "tp": R}
+        for types in (first, second, {"dp": V, "tp": R}):
+            spmd.assert_type(x, types)
+            assert latent.RECORDS[id(x)] is joined
+        spmd.assert_type(x, {"tp": I})  # a changed type: written
+        assert latent.RECORDS[id(x)][1] == {"dp": V, "tp": I}
+        spec = ((), ("tp",))
+        spmd.assert_type(x, {"dp": V}, partition_spec=spec)  # another spec: written
+        assert latent.RECORDS[id(x)][2] is spec
+        before = latent.RECORDS[id(x)]
+    with spmd.set_current_mesh(mesh_dp_tp) as again:  # the same axes, another Mesh object: written, with it
+        spmd.assert_type(x, {"dp": V})
+        assert latent.RECORDS[id(x)] is not before and latent.RECORDS[id(x)][3] is again
+
+
 def test_a_dead_tensors_entry_is_never_read_as_another_tensors_record(mesh_dp_tp):
     """The table is keyed by id, and ids are reused: an entry counts only while its reference points at the
     tensor asked about (here the reuse is forced: the dead tensor's entry is filed under the live one's id)."""

@@ -314,9 +314,10 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
             if entry is None and len(RECORDS) >= latent.prune_at:  # (a replaced entry leaves the size as it was)
                 latent.prune()
             return t
-        if (entry[1] is types and entry[2] is partition_spec and entry[3] is _MESHES.top
-                and entry[4] is C10D_WORLD._default_pg):
-            return t  # asserted again as recorded (a parameter every step): the record already says it
+        if entry[3] is _MESHES.top and entry[4] is C10D_WORLD._default_pg and (
+                entry[1] is types and entry[2] is partition_spec  # asserted again as recorded (a parameter every step)
+                or _adds_nothing(entry[1], entry[2], types, partition_spec)):  # (one of several dicts, in turn)
+            return t  # the record already says it
         types, partition_spec = _joined_record(entry[1:], types, partition_spec)  # the new axes join the record
         return remember(t, types, partition_spec)
     return _assert_type(t, types, more, partition_spec, published)
@@ -396,10 +397,21 @@ def _joined_record(record: tuple, types: dict, partition_spec: Any) -> tuple[Any
     old_types, old_spec = record[0], record[1]
     if type(old_types) is not dict:
         return types, partition_spec
-    if (partition_spec is None or partition_spec is old_spec) and all(old_types.get(a, _NONE) is t
-                                                                      for a, t in types.items()):
-        return old_types, old_spec  # nothing new: the record's own objects (the next such assert is one lookup)
+    if _adds_nothing(old_types, old_spec, types, partition_spec):
+        return old_types, old_spec  # nothing new: the record's own objects
     return {**old_types, **types}, partition_spec if partition_spec is not None else old_spec
+
+
+def _adds_nothing(old_types: Any, old_spec: Any, types: dict, partition_spec: Any) -> bool:
+    """Whether a record of ``old_types`` and ``old_spec`` already says what an assert of ``types`` and
+    ``partition_spec`` says: each axis named with the same type object, and no other spec."""
+    if type(old_types) is not dict or not (partition_spec is None or partition_spec is old_spec):
+        return False
+    recorded = old_types.get
+    for axis, axis_type in types.items():
+        if recorded(axis, _NONE) is not axis_type:
+            return False
+    return True
 
 
 def _own_mesh(t: Any, types: Any, partition_spec: Any) -> Any:
