@@ -308,9 +308,10 @@ def assert_type(tensor: T, types: TypeSpec = None, *more: Any, partition_spec: A
             more or published is not _NONE or _dynamo_tracing() or _COMPILER._is_compiling_flag):  # compiling()
         # erased, the common case: recorded for a later typecheck(), t stays plain (latent.remember, inline: an
         # erased call is one Python frame)
-        entry = RECORDS.get(id(t))
+        key = id(t)
+        entry = RECORDS.get(key)
         if entry is None or entry[0]() is not t:  # none yet, or a dead tensor's under a reused id
-            RECORDS[id(t)] = (_weak(t), types, partition_spec, _MESHES.top, C10D_WORLD._default_pg)
+            RECORDS[key] = (_weak(t), types, partition_spec, _MESHES.top, C10D_WORLD._default_pg)
             if entry is None and len(RECORDS) >= latent.prune_at:  # (a replaced entry leaves the size as it was)
                 latent.prune()
             return t
