@@ -22,7 +22,8 @@ Run: python benchmarks/megatron.py [--tables abc]   (needs megatron-core; prints
     1.05x Megatron's mapping for every call.
 
 ``--tables ac`` prints only (a) and (c); (b) starts gloo processes and takes minutes. ``REPEATS=N`` sets (a)'s
-repeats (15).
+repeats (15), ``HIDDEN=N`` its model's hidden size (128: kernels of a few µs, as cheap as the subclass dispatch
+itself; the typed step's cost is per op, so the ratio falls as the kernels grow).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _sibling(name: str) -> types.ModuleType:
     return sys.modules[name]
 
 
-def typecheck_cost(repeats: int = 15) -> dict[str, list[float]]:
+def typecheck_cost(repeats: int = 15, hidden: int = 128) -> dict[str, list[float]]:
     """CPU seconds of one forward+backward per variant and repeat (the order rotating between repeats).
 
     Models built alike: typing is in place (``type_parameters`` and ``assert_type`` give the parameters
@@ -99,7 +100,7 @@ def typecheck_cost(repeats: int = 15) -> dict[str, list[float]]:
     models = {}
     for name in ("untyped", "floor", "typed"):
         torch.manual_seed(0)
-        models[name] = megatron_gpt.build(2, True, layers=4, hidden=128, heads=8)[1]
+        models[name] = megatron_gpt.build(2, True, layers=4, hidden=hidden, heads=8)[1]
     floor.floor_parameters(models["floor"])
     models["typed re-typing"] = models["typed"]
     seq, vocab = megatron_gpt.SEQ, megatron_gpt.VOCAB
@@ -355,11 +356,11 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     _cpu()
     if "a" in tables:
-        repeats = int(os.environ.get("REPEATS", "15"))
-        times = typecheck_cost(repeats)
+        repeats, hidden = int(os.environ.get("REPEATS", "15")), int(os.environ.get("HIDDEN", "128"))
+        times = typecheck_cost(repeats, hidden)
         floor = _sibling("subclass_floor")
         med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-        print("(a) GPTModel (4 layers, hidden 128, tp=2, dp=2, SP) one forward+backward on a fake process group, "
+        print(f"(a) GPTModel (4 layers, hidden {hidden}, tp=2, dp=2, SP) one forward+backward on a fake process group, "
               f"CPU ms, median of {repeats}, rotating order; torch {torch.__version__}")
         print("    floor: the untyped model as the least subclass that keeps its class and one attribute through ops "
               "(benchmarks/subclass_floor.py); ratios: over the untyped step of the same repeat, median [quartiles]")
