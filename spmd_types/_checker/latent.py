@@ -9,7 +9,7 @@ told: the raw types and partition spec, with the current mesh and process-group
 world they were given under. Nothing is resolved, checked or looked up then,
 and the tensor stays a plain ``torch.Tensor`` and is not touched (a fresh
 tensor would otherwise grow a ``__dict__``): under a microsecond a call for a
-tensor asserted again, 1.3-1.4 µs for a fresh one (``benchmarks/erased_assert.py``).
+tensor asserted again, about 1 µs for a fresh one (``benchmarks/erased_assert.py``).
 ``typecheck()`` resolves and applies every record when it starts;
 ``has_local_type`` and ``get_local_type`` resolve one on demand (:func:`remembered`).
 
