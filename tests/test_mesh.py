@@ -26,6 +26,16 @@ def test_dict_of_groups_and_nesting(mesh_dp_tp):
         assert current_mesh().axis_names == ("dp", "tp")
 
 
+def test_a_block_left_by_an_exception_gives_the_outer_mesh_back(mesh_dp_tp):
+    groups = {"data": mesh_dp_tp.get_group("dp")}
+    with spmd.set_current_mesh(mesh_dp_tp) as outer:
+        with pytest.raises(KeyError), spmd.set_current_mesh(groups) as inner:
+            assert current_mesh() is inner
+            raise KeyError("leaves the inner block")
+        assert current_mesh() is outer
+    assert current_mesh() is None
+
+
 def test_unknown_axis_lists_known_ones(mesh_dp_tp):
     with spmd.set_current_mesh(mesh_dp_tp):
         with pytest.raises(ValueError, match=r"unknown mesh axis 'pp'; the current mesh has axes 'dp', 'tp'"):
